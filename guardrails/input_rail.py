@@ -1,0 +1,100 @@
+"""Input rails in order: size limits, PII, prompt injection, denied topics.
+
+Pure logic for the guardrails deployment. Embeddings come from the caller (the embedding service);
+`InputGuard.needs_embedding` says whether to compute them, `embedding_chunks` says what to embed.
+Every rail runs inside `run_rail`, so an exception blocks the request unless the policy fails open.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from guardrails.config import GuardrailPolicy
+from guardrails.detectors.injection import InjectionClassifier, InjectionDetector, InjectionScorer
+from guardrails.detectors.limits import check_limits
+from guardrails.detectors.pii import check_pii
+from guardrails.detectors.topics import TopicMatcher
+from guardrails.metrics import RailMetrics
+from guardrails.verdict import PolicyCode, Verdict, combine
+
+logger = logging.getLogger(__name__)
+
+
+def run_rail(rail: str, check: Callable[[], Verdict], *, fail_open: bool, metrics: RailMetrics) -> Verdict:
+    """Run one rail; an exception is logged (type only, never the text), counted, and blocks unless fail_open."""
+    try:
+        verdict = check()
+    except Exception as exc:  # noqa: BLE001 - a broken rail must not wave the request through
+        metrics.record_error(rail)
+        logger.error("rail %s raised %s", rail, type(exc).__name__)
+        logger.debug("rail %s traceback", rail, exc_info=True)
+        if fail_open:
+            return Verdict.allow(rail)
+        verdict = Verdict.block(rail, PolicyCode.RAIL_ERROR, f"rail {rail} failed")
+    metrics.record_verdict(verdict)
+    return verdict
+
+
+class InputGuard:
+    """Applies a model's input policy to a request."""
+
+    def __init__(
+        self,
+        policy: GuardrailPolicy,
+        injection_scorer: InjectionScorer | None = None,
+        topics: TopicMatcher | None = None,
+        metrics: RailMetrics | None = None,
+    ) -> None:
+        self.policy = policy
+        self.metrics = metrics if metrics is not None else RailMetrics()
+        inj = policy.injection
+        self.injection = (
+            InjectionDetector(injection_scorer, inj.threshold, inj.heuristics)
+            if inj.enabled and (injection_scorer is not None or inj.heuristics)
+            else None
+        )
+        self.topics = topics if policy.denied_topics.topics else None
+
+    @property
+    def needs_embedding(self) -> bool:
+        """Whether `check_text` needs the text's embedding (embedding classifier or denied topics)."""
+        scorer = self.injection.scorer if self.injection else None
+        return isinstance(scorer, InjectionClassifier) or self.topics is not None
+
+    def check_request(self, messages: Sequence[str]) -> Verdict:
+        """Size limits over every message text of the request."""
+        if not self.policy.enabled:
+            return Verdict.allow("limits")
+        return self._run("limits", lambda: check_limits(messages, self.policy.limits))
+
+    def check_text(self, text: str, embedding: np.ndarray | None = None) -> Verdict:
+        """PII, injection and topics on one user text; REDACTED carries the rewritten text."""
+        if not self.policy.enabled:
+            return Verdict.allow("guardrails")
+        seen: list[Verdict] = []
+        if self.policy.pii.enabled:
+            seen.append(self._run("pii", lambda: check_pii(text, self.policy.pii.input)))
+            if seen[-1].blocked:
+                return seen[-1]
+        if self.injection is not None:
+            detector = self.injection
+            seen.append(self._run(detector.rail, lambda: detector.check(text, embedding)))
+            if seen[-1].blocked:
+                return seen[-1]
+        if self.topics is not None:
+            if embedding is None:
+                seen.append(self._run("denied_topics", _missing_embedding))
+            else:
+                matcher, emb = self.topics, embedding
+                seen.append(self._run(matcher.rail, lambda: matcher.check(emb)))
+        return combine(seen)
+
+    def _run(self, rail: str, check: Callable[[], Verdict]) -> Verdict:
+        return run_rail(rail, check, fail_open=self.policy.fail_open, metrics=self.metrics)
+
+
+def _missing_embedding() -> Verdict:
+    raise ValueError("denied topics need the text's embedding")

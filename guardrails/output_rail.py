@@ -1,0 +1,269 @@
+"""Streaming output rail: check model text as it streams, release only what no rail would block.
+
+`StreamGuard.push` receives each text delta and returns the part that may be sent to the client now.
+It holds back the last `hold` characters, where `hold` is the configured window or, if larger, the
+longest distance a check needs from the start of a match to recognise it (`horizon_chars`). Every
+scan covers the held text plus a look-behind of already released text, so a match split across any
+number of deltas is seen whole before its first character could be released.
+
+Once a blocking match is found nothing more is released; the caller cancels generation and ends the
+stream with finish_reason "content_filter". Redactions are rewritten before release; a redaction that
+may still be growing at the end of the buffer is held until it is complete.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from guardrails.config import ForbiddenPattern, GuardrailPolicy
+from guardrails.detectors.pii import detect
+from guardrails.entities import EntityType, RuleAction
+from guardrails.metrics import RailMetrics
+from guardrails.verdict import Action, PolicyCode, Verdict
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RuleMatch:
+    """A span an output check objects to, and what to do about it."""
+
+    start: int
+    end: int
+    label: str
+    action: RuleAction
+    code: PolicyCode
+    replacement: str = "[REDACTED]"
+
+
+class OutputCheck(Protocol):
+    """A check run over streamed text. `horizon_chars` bounds how far past a match's start it must see."""
+
+    name: str
+    horizon_chars: int
+
+    def scan(self, text: str) -> Sequence[RuleMatch]: ...
+
+
+class PiiOutputCheck:
+    """PII and secrets in model output, with per-entity actions."""
+
+    name = "pii"
+
+    def __init__(self, actions: Mapping[EntityType, RuleAction], horizon_chars: int = 64) -> None:
+        # 64 characters covers every fixed-format entity (cards 37, IBAN 42, PEM header 40) and the
+        # recognisable prefix of every API key; longer e-mail local parts are the accepted gap.
+        self.actions = dict(actions)
+        self.entities = [e for e, a in self.actions.items() if a is not RuleAction.ALLOW]
+        self.horizon_chars = horizon_chars
+
+    def scan(self, text: str) -> list[RuleMatch]:
+        if not self.entities:
+            return []
+        matches = []
+        for f in detect(text, self.entities):
+            action = self.actions[f.entity]
+            code = PolicyCode.PII_BLOCKED if action is RuleAction.BLOCK else PolicyCode.PII_REDACTED
+            matches.append(RuleMatch(f.start, f.end, f.entity.value, action, code, f.entity.placeholder))
+        return matches
+
+
+class PatternCheck:
+    """Forbidden literal strings and regular expressions from the policy."""
+
+    name = "forbidden"
+
+    def __init__(self, patterns: Iterable[ForbiddenPattern]) -> None:
+        self._compiled: list[tuple[re.Pattern[str], ForbiddenPattern]] = []
+        horizon = 1
+        for p in patterns:
+            flags = re.I if p.ignore_case else 0
+            self._compiled.append((re.compile(p.pattern if p.regex else re.escape(p.pattern), flags), p))
+            horizon = max(horizon, p.max_match_chars or (64 if p.regex else len(p.pattern)))
+        self.horizon_chars = horizon
+
+    def scan(self, text: str) -> list[RuleMatch]:
+        matches = []
+        for index, (pattern, spec) in enumerate(self._compiled):
+            for m in pattern.finditer(text):
+                if m.end() > m.start():
+                    matches.append(
+                        RuleMatch(m.start(), m.end(), f"pattern {index}", spec.action, PolicyCode.FORBIDDEN_CONTENT)
+                    )
+        return matches
+
+
+@dataclass(frozen=True, slots=True)
+class StreamStep:
+    """What `push`/`finish` decided: text safe to send now, and the verdict so far."""
+
+    text: str
+    verdict: Verdict
+
+
+class StreamGuard:
+    """Holds back a bounded window of streamed text and releases only checked (and rewritten) text.
+
+    One instance per response stream; not thread-safe. Guarantee: the concatenation of every released
+    `text` never contains a match that a check reports as BLOCK, provided the check can recognise the
+    match within its `horizon_chars` of the match start. The buffer never exceeds
+    `hold + longest redaction` characters; a redaction longer than `max_redact_chars` blocks instead.
+    """
+
+    def __init__(
+        self,
+        checks: Sequence[OutputCheck],
+        window_chars: int = 64,
+        *,
+        fail_open: bool = False,
+        max_redact_chars: int = 512,
+        metrics: RailMetrics | None = None,
+        rail: str = "output",
+    ) -> None:
+        if window_chars < 1:
+            raise ValueError("window_chars must be positive")
+        self.checks = list(checks)
+        horizon = max((c.horizon_chars for c in self.checks), default=1)
+        self.hold = max(window_chars, horizon)
+        self.lookbehind = max(horizon, 1)
+        self.fail_open = fail_open
+        self.max_redact_chars = max_redact_chars
+        self.metrics = metrics if metrics is not None else RailMetrics()
+        self.rail = rail
+        self._held = ""
+        self._tail = ""
+        self._blocked: Verdict | None = None
+        self._redactions: list[str] = []
+
+    @classmethod
+    def from_policy(
+        cls,
+        policy: GuardrailPolicy,
+        extra_checks: Sequence[OutputCheck] = (),
+        metrics: RailMetrics | None = None,
+    ) -> StreamGuard:
+        """Guard built from a model's policy: PII output actions, forbidden patterns, then extra checks."""
+        checks: list[OutputCheck] = []
+        if policy.pii.enabled:
+            checks.append(PiiOutputCheck(policy.pii.output))
+        if policy.output.forbidden:
+            checks.append(PatternCheck(policy.output.forbidden))
+        checks.extend(extra_checks)
+        return cls(
+            checks,
+            policy.output.holdback_chars,
+            fail_open=policy.fail_open,
+            max_redact_chars=policy.output.max_redact_chars,
+            metrics=metrics,
+        )
+
+    @property
+    def held_chars(self) -> int:
+        """Characters received but not yet released."""
+        return len(self._held)
+
+    @property
+    def verdict(self) -> Verdict:
+        """Verdict over everything seen so far: blocked, redacted (if any span was rewritten) or allowed."""
+        if self._blocked is not None:
+            return self._blocked
+        if self._redactions:
+            labels = ", ".join(sorted(set(self._redactions)))
+            return Verdict(Action.REDACTED, self.rail, reason=f"redacted {labels}", code=PolicyCode.PII_REDACTED)
+        return Verdict.allow(self.rail)
+
+    def push(self, delta: str) -> StreamStep:
+        """Add generated text; return the text that may be released now."""
+        if self._blocked is not None:
+            return StreamStep("", self._blocked)
+        self._held += delta
+        if len(self._held) <= self.hold:
+            return StreamStep("", self.verdict)
+        return self._process(final=False)
+
+    def finish(self) -> StreamStep:
+        """End of generation: check and release whatever is still held."""
+        if self._blocked is not None:
+            return StreamStep("", self._blocked)
+        return self._process(final=True)
+
+    def _block(self, verdict: Verdict) -> StreamStep:
+        self._blocked = verdict
+        # Drop held text: it must never be released, and the guard keeps nothing it does not need.
+        self._held = ""
+        self._tail = ""
+        self.metrics.record_verdict(verdict)
+        return StreamStep("", verdict)
+
+    def _scan(self, text: str) -> list[RuleMatch] | Verdict:
+        matches: list[RuleMatch] = []
+        for check in self.checks:
+            try:
+                matches.extend(check.scan(text))
+            except Exception as exc:  # noqa: BLE001 - any failure inside a check must not pass text through
+                self.metrics.record_error(f"{self.rail}.{check.name}")
+                # The exception message may quote the text, so only its type is logged.
+                logger.error("output check %s raised %s", check.name, type(exc).__name__)
+                logger.debug("output check %s traceback", check.name, exc_info=True)
+                if not self.fail_open:
+                    return Verdict.block(self.rail, PolicyCode.RAIL_ERROR, f"output check {check.name} failed")
+        return matches
+
+    def _process(self, final: bool) -> StreamStep:
+        text = self._tail + self._held
+        off = len(self._tail)
+        scanned = self._scan(text)
+        if isinstance(scanned, Verdict):
+            return self._block(scanned)
+        # Matches wholly inside the look-behind were handled when that text was released.
+        live = [m for m in scanned if m.end > off]
+        for m in live:
+            if m.action is RuleAction.BLOCK:
+                return self._block(Verdict.block(self.rail, m.code, f"output matched {m.label}"))
+        redactions = _merge([m for m in live if m.action is RuleAction.REDACT])
+
+        cut = len(text) if final else max(off, len(text) - self.hold)
+        if not final:
+            for m in redactions:
+                # Hold back a redaction that crosses the cut or touches the end (it may still grow).
+                if m.start < cut and (m.end > cut or m.end >= len(text)):
+                    cut = max(off, m.start)
+                    break
+        if len(text) - cut > self.hold + self.max_redact_chars:
+            return self._block(
+                Verdict.block(self.rail, PolicyCode.PII_BLOCKED, "redaction span too long to hold back")
+            )
+
+        out: list[str] = []
+        pos = off
+        for m in redactions:
+            if m.start >= cut or m.end > cut:
+                break
+            out.append(text[pos : max(pos, m.start)])
+            out.append(m.replacement)
+            self._redactions.append(m.label)
+            pos = max(pos, m.end)
+        out.append(text[pos:cut])
+        self._tail = (self._tail + self._held[: cut - off])[-self.lookbehind :]
+        self._held = self._held[cut - off :]
+        step = StreamStep("".join(out), self.verdict)
+        if final:
+            self.metrics.record_verdict(step.verdict)
+        return step
+
+
+def _merge(matches: list[RuleMatch]) -> list[RuleMatch]:
+    # Overlapping redactions collapse into one span with the first match's placeholder.
+    merged: list[RuleMatch] = []
+    for m in sorted(matches, key=lambda m: (m.start, -m.end)):
+        if merged and m.start < merged[-1].end:
+            last = merged[-1]
+            if m.end > last.end:
+                merged[-1] = RuleMatch(last.start, m.end, last.label, last.action, last.code, last.replacement)
+            continue
+        merged.append(m)
+    return merged

