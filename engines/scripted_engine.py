@@ -9,6 +9,8 @@ directives in the last user message:
     [[tokens:N]]        reply "t0 t1 ... tN-1"
     [[delay-ms:N]]      sleep N ms before each token (to observe cancellation)
     [[fail-after:N]]    raise after N tokens (a crash mid-stream)
+    [[exit-process]]    kill the replica process (an engine that dies)
+    [[reject]]          answer with a 400 ErrorResponse, as vLLM does for bad values
     otherwise           reply "echo: <last user message>"
 
 ``max_tokens`` truncates the reply (finish_reason "length"). Every request's rendered
@@ -19,6 +21,7 @@ one is running, so tests can see what reached the engine and whether it was canc
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import time
 import uuid
@@ -48,7 +51,7 @@ from vllm.entrypoints.openai.completion.protocol import (
 
 RECORDER_NAME = "scripted_engine_recorder"
 RECORDER_NAMESPACE = "scripted_engine"
-_DIRECTIVE = re.compile(r"\[\[(say|tokens|delay-ms|fail-after):([^\]]*)\]\]")
+_DIRECTIVE = re.compile(r"\[\[(say|tokens|delay-ms|fail-after|exit-process|reject):?([^\]]*)\]\]")
 
 
 @ray.remote(num_cpus=0)
@@ -103,6 +106,8 @@ class Script:
         self.delay_s = int(directives.get("delay-ms", 0)) / 1000
         self.fail_after = int(directives["fail-after"]) if "fail-after" in directives else None
         self.prompt_tokens = len(prompt.split())
+        self.exit_process = "exit-process" in directives
+        self.reject = "reject" in directives
 
 
 class ScriptedEngine(LLMEngine):
@@ -159,7 +164,14 @@ class ScriptedEngine(LLMEngine):
             if recorder is not None:
                 recorder.record.remote({"request_id": request_id, "event": event, "time": time.time(), **fields})
 
-        record("started", prompt=prompt, stream=bool(request.stream), **extra)
+        # Everything the client set besides the prompt, to check that fields pass through.
+        fields = request.model_dump(mode="json", exclude_unset=True, exclude={"messages", "prompt", "request_id"})
+        record("started", prompt=prompt, stream=bool(request.stream), fields=fields, **extra)
+        if script.exit_process:
+            os._exit(1)
+        if script.reject:
+            yield _error("scripted rejection: this value is out of range")
+            return
         emitted = 0
         try:
             if request.stream:

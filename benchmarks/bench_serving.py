@@ -1,0 +1,169 @@
+"""Gateway vs raw `vllm serve`, same model, same engine settings, alternating in one run.
+
+Each round boots one server at a time (so they never share the CPU), drives it with
+vLLM's own load generator (`vllm bench serve`, random 128-token prompts, 64 output
+tokens, ignore_eos) at each concurrency, then stops it. Rounds alternate which server
+goes first. Reported figures are medians over rounds; ratios are gateway / raw vLLM.
+
+    python benchmarks/bench_serving.py                 # 2 rounds, concurrency 1 and 8
+    python benchmarks/bench_serving.py --rounds 3 --gateway-env RAY_SERVE_THROUGHPUT_OPTIMIZED=1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from gateway.config import load_config  # noqa: E402
+
+VLLM_CLI = [sys.executable, str(ROOT / "benchmarks" / "vllm_cli.py")]
+METRICS = ("output_throughput", "median_ttft_ms", "median_tpot_ms", "p99_ttft_ms")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def engine_flags(kwargs: dict) -> list[str]:
+    """vLLM engine kwargs from the model config, as `vllm serve` flags."""
+    flags = []
+    for key, value in kwargs.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is not False and value is not None:
+            flags += [flag, str(value)]
+    return flags
+
+
+class Server:
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], port: int, log_dir: Path):
+        self.name, self.cmd, self.env, self.port = name, cmd, env, port
+        self.log_path = log_dir / f"{name}.log"
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "Server":
+        started = time.monotonic()
+        self.log = open(self.log_path, "a")
+        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=self.env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited; see {self.log_path}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.port}/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() - started > 900:
+                raise RuntimeError(f"{self.name} not ready after 900 s; see {self.log_path}")
+            time.sleep(2)
+        self.ready_s = time.monotonic() - started
+        print(f"  {self.name} ready in {self.ready_s:.0f} s", flush=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        os.killpg(self.proc.pid, signal.SIGINT)
+        try:
+            self.proc.wait(90)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.log.close()
+        time.sleep(3)  # let Ray's and vLLM's processes release the cores
+
+
+def run_load(server: Server, model: str, tokenizer: str, concurrency: int, prompts: int, out_dir: Path, tag: str) -> dict:
+    result_file = f"{tag}.json"
+    cmd = VLLM_CLI + [
+        "bench", "serve", "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
+        "--base-url", f"http://127.0.0.1:{server.port}", "--model", model, "--tokenizer", tokenizer,
+        "--dataset-name", "random", "--random-input-len", "128", "--random-output-len", "64", "--ignore-eos",
+        "--num-prompts", str(prompts), "--max-concurrency", str(concurrency), "--seed", "0",
+        "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
+        "--save-result", "--result-dir", str(out_dir), "--result-filename", result_file,
+    ]
+    subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=server.env)
+    data = json.loads((out_dir / result_file).read_text())
+    return {k: data[k] for k in METRICS}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/gateway.yaml")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--prompts-per-stream", type=int, default=6, help="requests per concurrent stream")
+    parser.add_argument("--gateway-env", action="append", default=[], help="KEY=VALUE for the gateway's processes")
+    args = parser.parse_args()
+
+    config = load_config(ROOT / args.config)
+    model = config.models[0]
+    folder = model.source.resolve(config.models_dir)
+    base_env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **model.engine.env}
+    gateway_env = {**base_env, **dict(kv.split("=", 1) for kv in args.gateway_env)}
+    out_dir = ROOT / "benchmarks" / "results" / time.strftime("serving-%Y%m%d-%H%M%S")
+    out_dir.mkdir(parents=True)
+
+    def servers():
+        vllm_port, gw_port = free_port(), free_port()
+        raw = Server("vllm", VLLM_CLI + ["serve", folder, "--served-model-name", model.model_id, "--port", str(vllm_port)]
+                     + engine_flags(model.engine.kwargs), base_env, vllm_port, out_dir)
+        gw = Server("gateway", [sys.executable, "-m", "gateway", "run", "--config", args.config, "--port", str(gw_port)],
+                    gateway_env, gw_port, out_dir)
+        return raw, gw
+
+    results: dict[tuple[str, int], list[dict]] = {}
+    ready: dict[str, list[float]] = {}
+    for r in range(args.rounds):
+        raw, gw = servers()
+        order = [raw, gw] if r % 2 == 0 else [gw, raw]
+        print(f"round {r + 1}/{args.rounds}: {' then '.join(s.name for s in order)}", flush=True)
+        for server in order:
+            with server:
+                ready.setdefault(server.name, []).append(server.ready_s)
+                run_load(server, model.model_id, folder, 1, 2, out_dir, f"warmup-{server.name}-{r}")
+                for c in args.concurrency:
+                    figures = run_load(server, model.model_id, folder, c, c * args.prompts_per_stream, out_dir, f"{server.name}-c{c}-r{r}")
+                    results.setdefault((server.name, c), []).append(figures)
+                    print(f"    c={c}: {figures['output_throughput']:.1f} tok/s, TTFT p50 {figures['median_ttft_ms']:.0f} ms, "
+                          f"TPOT p50 {figures['median_tpot_ms']:.1f} ms", flush=True)
+
+    def med(name: str, c: int, key: str) -> float:
+        return statistics.median(f[key] for f in results[(name, c)])
+
+    print(f"\n{model.model_id}, 128 tokens in / 64 out, medians of {args.rounds} rounds")
+    header = f"{'':>4} | {'output tok/s':>24} | {'TTFT p50 (ms)':>24} | {'TPOT p50 (ms)':>24}"
+    print(header + "\n" + "-" * len(header))
+    print(f"{'c':>4} | {'vllm':>7} {'gateway':>8} {'ratio':>7} | {'vllm':>7} {'gateway':>8} {'ratio':>7} | {'vllm':>7} {'gateway':>8} {'ratio':>7}")
+    summary = {}
+    for c in args.concurrency:
+        row = []
+        for key in ("output_throughput", "median_ttft_ms", "median_tpot_ms"):
+            v, g = med("vllm", c, key), med("gateway", c, key)
+            row.append(f"{v:7.1f} {g:8.1f} {g / v:6.2f}x")
+            summary[f"c{c}_{key}"] = {"vllm": v, "gateway": g, "ratio": g / v}
+        print(f"{c:>4} | " + " | ".join(row))
+    print(f"\nready in (median): vllm {statistics.median(ready['vllm']):.0f} s, gateway {statistics.median(ready['gateway']):.0f} s")
+    (out_dir / "summary.json").write_text(json.dumps({"rounds": args.rounds, "gateway_env": args.gateway_env, "figures": summary}, indent=2))
+    print(f"raw results: {out_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

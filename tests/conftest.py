@@ -1,0 +1,94 @@
+"""Shared fixtures.
+
+Fast tier: the real Ray Serve application (our ingress, Ray Serve LLM's ``LLMServer``)
+with the deterministic ``ScriptedEngine`` injected through ``engine_cls``, started once
+per session in this process's Ray instance.
+Real tier (``-m real``): the gateway started exactly as ``make run`` starts it, in a
+subprocess, serving SmolLM2 through vLLM; see tests/test_real_vllm.py.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+API_KEY = "test-key-fast-tier"
+API_KEYS_ENV = "GATEWAY_TEST_API_KEYS"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    import ray
+
+    # Set before Ray starts so every replica inherits it.
+    os.environ[API_KEYS_ENV] = API_KEY
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(include_dashboard=False, num_cpus=4, logging_level="WARNING")
+    yield
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def recorder(ray_session):
+    from engines.scripted_engine import RECORDER_NAME, RECORDER_NAMESPACE, EngineRecorder
+
+    return EngineRecorder.options(name=RECORDER_NAME, namespace=RECORDER_NAMESPACE, lifetime="detached").remote()
+
+
+@pytest.fixture(scope="session")
+def gateway_url(ray_session, recorder) -> str:
+    """Base URL of the fast-tier gateway (scripted engine, real Serve app)."""
+    from ray import serve
+
+    from engines.scripted_engine import ScriptedEngine
+    from gateway.app import build_gateway
+    from gateway.config import load_config
+
+    port = free_port()
+    config = load_config(FIXTURES / "gateway.yaml", port=port, auth={"api_keys_env": API_KEYS_ENV})
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_gateway(config, engine_cls=ScriptedEngine), name="gateway", route_prefix="/")
+    return f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+def client(gateway_url):
+    from openai import OpenAI
+
+    return OpenAI(base_url=gateway_url + "/v1", api_key=API_KEY, max_retries=0, timeout=30)
+
+
+@pytest.fixture
+def http(gateway_url):
+    import httpx
+
+    with httpx.Client(base_url=gateway_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30) as c:
+        yield c
+
+
+@pytest.fixture
+def engine_events(recorder):
+    """Read what the scripted engine saw during this test."""
+    import ray
+
+    ray.get(recorder.clear.remote())
+
+    def events(kind: str | None = None) -> list[dict]:
+        got = ray.get(recorder.get.remote())
+        return [e for e in got if kind is None or e["event"] == kind]
+
+    return events

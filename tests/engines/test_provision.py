@@ -1,0 +1,61 @@
+"""Embedded model preparation: clear errors, idempotence, atomic results."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engines import provision
+
+
+def test_missing_package_names_it():
+    with pytest.raises(provision.ProvisionError, match="pip install --no-deps some-missing-pkg"):
+        provision.package_dir("some_missing_module_xyz", "some-missing-pkg")
+
+
+def test_unknown_model_is_rejected(tmp_path):
+    with pytest.raises(provision.ProvisionError, match="unknown embedded model"):
+        provision.prepare("gpt-5", tmp_path)
+
+
+def test_prepared_stamp_controls_skipping(tmp_path, capsys):
+    out = tmp_path / "all-MiniLM-L6-v2"
+    assert not provision.is_prepared(out)
+    out.mkdir()
+    (out / provision.STAMP).write_text(json.dumps({"recipe": provision.RECIPE_VERSION - 1}))
+    assert not provision.is_prepared(out)  # an older recipe is rebuilt
+    (out / provision.STAMP).write_text(json.dumps({"recipe": provision.RECIPE_VERSION}))
+    assert provision.is_prepared(out)
+    provision.prepare("all-MiniLM-L6-v2", tmp_path)
+    assert "already prepared" in capsys.readouterr().err
+
+
+def test_prepare_minilm_for_real(tmp_path):
+    out = provision.prepare("all-MiniLM-L6-v2", tmp_path)
+    assert provision.is_prepared(out) and (out / "model.safetensors").is_file()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp folders left
+
+
+def test_failed_check_leaves_no_model(tmp_path, monkeypatch):
+    model = provision.EMBEDDED_MODELS["all-MiniLM-L6-v2"]
+
+    def broken_check(out):
+        raise provision.ProvisionError("does not load")
+
+    monkeypatch.setitem(provision.EMBEDDED_MODELS, model.name, provision.EmbeddedModel(
+        model.name, model.package, model.module, model.prepare, broken_check))
+    with pytest.raises(provision.ProvisionError, match="does not load"):
+        provision.prepare(model.name, tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_prepared_smollm2_is_a_loadable_folder():
+    """`make test` prepares the models first; the result is a float32 safetensors folder."""
+    folder = provision.default_models_dir() / "SmolLM2-135M-Instruct"
+    assert provision.is_prepared(folder), "run `make models` first"
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert (folder / "model.safetensors").is_file()
+    tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
+    assert "chat_template" in tokenizer_config or (folder / "chat_template.jinja").is_file()
