@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import faiss
 import numpy as np
@@ -27,10 +27,14 @@ from retrieval.collection import Collection  # noqa: E402
 from retrieval.config import IndexConfig  # noqa: E402
 
 
-def clustered_vectors(rng: np.random.Generator, n: int, dim: int, centers: np.ndarray) -> np.ndarray:
-    """Points around random centres, cosine to their centre about 0.7, normalised."""
+def clustered_vectors(
+    rng: np.random.Generator, n: int, dim: int, centers: np.ndarray, noise: float
+) -> np.ndarray:
+    """Points around random unit centres plus Gaussian noise of norm about ``noise``, normalised
+    (cosine to their centre about 1/sqrt(1 + noise^2))."""
     picks = rng.integers(0, len(centers), size=n)
-    x = centers[picks] + rng.standard_normal((n, dim), dtype=np.float32) / np.float32(np.sqrt(dim))
+    scale = np.float32(noise / np.sqrt(dim))
+    x = centers[picks] + rng.standard_normal((n, dim), dtype=np.float32) * scale
     faiss.normalize_L2(x)
     return x
 
@@ -54,11 +58,16 @@ def build_collection(kind: str, data: np.ndarray, args: argparse.Namespace) -> C
     for start in range(0, len(data), per_doc):
         block = data[start : start + per_doc]
         coll.add_document(
-            f"doc-{start // per_doc}", [f"chunk text {start + i}" for i in range(len(block))],
-            block, source=f"file-{start // per_doc}.txt", attributes={"group": start % 7},
+            f"doc-{start // per_doc}",
+            [f"chunk text {start + i}" for i in range(len(block))],
+            block,
+            source=f"file-{start // per_doc}.txt",
+            attributes={"group": start % 7},
         )
-    print(f"built {kind} collection of {len(data)} in {time.perf_counter() - started:.1f}s",
-          file=sys.stderr)
+    print(
+        f"built {kind} collection of {len(data)} in {time.perf_counter() - started:.1f}s",
+        file=sys.stderr,
+    )
     return coll
 
 
@@ -72,15 +81,19 @@ def main() -> None:
     parser.add_argument("--ef-construction", type=int, default=IndexConfig().ef_construction)
     parser.add_argument("--ef-search", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--build-threads", type=int, default=2)
+    parser.add_argument("--noise", type=float, default=1.0, help="cluster spread; higher is harder")
+    parser.add_argument("--clusters", type=int, default=0, help="default n/500")
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args()
     k = 10
 
     rng = np.random.default_rng(args.seed)
-    centers = rng.standard_normal((max(10, args.n // 500), args.dim), dtype=np.float32)
+    centers = rng.standard_normal(
+        (args.clusters or max(10, args.n // 500), args.dim), dtype=np.float32
+    )
     faiss.normalize_L2(centers)
-    data = clustered_vectors(rng, args.n, args.dim, centers)
-    queries = clustered_vectors(rng, args.queries, args.dim, centers)
+    data = clustered_vectors(rng, args.n, args.dim, centers, args.noise)
+    queries = clustered_vectors(rng, args.queries, args.dim, centers, args.noise)
 
     faiss.omp_set_num_threads(args.build_threads)
     flat = build_collection("flat", data, args)
@@ -108,17 +121,27 @@ def main() -> None:
     hits = hnsw.search(queries[0], k)
     assert [h.chunk_id for h in hits] == [int(i) for i in raw_hnsw.search(queries[:1], k)[1][0]]
 
-    print(f"\n{args.n} x {args.dim}, top_k={k}, 1 thread, single queries "
-          f"(efConstruction={args.ef_construction})\n")
-    header = f"{'index':<26}{'recall@10':>10}{'raw p50':>10}{'raw p99':>10}" \
-             f"{'ours p50':>10}{'ours p99':>10}{'p50 ratio':>11}{'p99 ratio':>11}"
+    print(
+        f"\n{args.n} x {args.dim}, top_k={k}, 1 thread, single queries "
+        f"(efConstruction={args.ef_construction})\n"
+    )
+    header = (
+        f"{'index':<26}{'recall@10':>10}{'raw p50':>10}{'raw p99':>10}"
+        f"{'ours p50':>10}{'ours p99':>10}{'p50 ratio':>11}{'p99 ratio':>11}"
+    )
     print(header)
     print("-" * len(header))
     for name, raw, ours, recall in rows:
-        r50, r99, o50, o99 = (np.percentile(raw, 50), np.percentile(raw, 99),
-                              np.percentile(ours, 50), np.percentile(ours, 99))
-        print(f"{name:<26}{recall:>10.3f}{r50:>9.3f}ms{r99:>8.3f}ms{o50:>8.3f}ms{o99:>8.3f}ms"
-              f"{o50 / r50:>10.2f}x{o99 / r99:>10.2f}x")
+        r50, r99, o50, o99 = (
+            np.percentile(raw, 50),
+            np.percentile(raw, 99),
+            np.percentile(ours, 50),
+            np.percentile(ours, 99),
+        )
+        print(
+            f"{name:<26}{recall:>10.3f}{r50:>9.3f}ms{r99:>8.3f}ms{o50:>8.3f}ms{o99:>8.3f}ms"
+            f"{o50 / r50:>10.2f}x{o99 / r99:>10.2f}x"
+        )
 
 
 if __name__ == "__main__":

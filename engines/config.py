@@ -14,6 +14,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from guardrails.config import GuardrailPolicy
+from retrieval.config import RetrievalPolicy
+
 
 class StrictModel(BaseModel):
     """Base for every config section: unknown keys are errors, values are immutable."""
@@ -114,6 +117,14 @@ class ModelConfig(StrictModel):
     engine: EngineSettings = EngineSettings()
     placement: Placement = Placement()
     deployment: Scaling = Scaling()
+    # Chat-path policies. The gateway re-reads them while serving (no restart); a file
+    # without a section gets the stage switched off.
+    guardrails: GuardrailPolicy = Field(default_factory=lambda: GuardrailPolicy(enabled=False))
+    retrieval: RetrievalPolicy = Field(default_factory=RetrievalPolicy)
+
+    def engine_fingerprint(self) -> str:
+        """What a change to needs an engine restart for: everything but the policies."""
+        return self.model_dump_json(include={"model_id", "source", "engine", "placement", "deployment"})
 
 
 def format_validation_error(path: Path, exc: ValidationError) -> str:

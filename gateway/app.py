@@ -12,28 +12,60 @@ from ray.serve.deployment import Application
 from engines.deployments import build_engine_deployment
 from gateway.config import LoadedConfig, load_config
 from gateway.ingress import Gateway
+from guardrails.deployment import Guardrails
+from retrieval.config import RetrievalConfig
+from retrieval.embedding_deployment import Embedder
+from retrieval.service import Retriever
 
 logger = logging.getLogger(__name__)
 
+# Trained by `make models` (guardrails/train_injection.py) from the labeled set in the repo.
+INJECTION_CLASSIFIER = "injection_classifier.npz"
+
 
 def build_gateway(config: LoadedConfig, *, engine_cls: type | None = None) -> Application:
-    """The whole gateway: one ``LLMServer`` deployment per model behind our ingress.
+    """The whole gateway: one ``LLMServer`` deployment per model, the stage deployments
+    (embeddings, retrieval, guardrails) and our ingress, which gets them all as handles.
 
     ``engine_cls`` swaps vLLM for another ``LLMEngine`` (the test tier's scripted engine).
     """
+    gw = config.gateway
     engines = {
         model.model_id: build_engine_deployment(model, config.models_dir, engine_cls=engine_cls)
         for model in config.models
     }
-    ingress = config.gateway.ingress
+    embedder = retriever = guard = None
+    if gw.embedding.enabled:
+        model_path = config.resolve(gw.embedding.path) if gw.embedding.path else config.models_dir / gw.embedding.embedded
+        embedding_config = gw.embedding.model.model_copy(update={"model_path": model_path})
+        embedder = Embedder.options(
+            num_replicas=gw.embedding.num_replicas, ray_actor_options={"num_cpus": gw.embedding.num_cpus}
+        ).bind(embedding_config)
+        if gw.retrieval.enabled:
+            retrieval_config = RetrievalConfig(
+                storage_dir=config.resolve(gw.retrieval.storage_dir),
+                embedding=embedding_config,
+                index=gw.retrieval.index,
+                chunking=gw.retrieval.chunking,
+            )
+            retriever = Retriever.options(ray_actor_options={"num_cpus": 0.25}).bind(embedder, retrieval_config)
+    if gw.guardrails.enabled:
+        classifier = config.resolve(gw.guardrails.classifier_path) if gw.guardrails.classifier_path else config.models_dir / INJECTION_CLASSIFIER
+        guard = Guardrails.options(
+            num_replicas=gw.guardrails.num_replicas, ray_actor_options={"num_cpus": gw.guardrails.num_cpus}
+        ).bind(embedder, str(classifier))
+    ingress = gw.ingress
     return Gateway.options(
         num_replicas=ingress.num_replicas,
         max_ongoing_requests=ingress.max_ongoing_requests,
         ray_actor_options={"num_cpus": ingress.num_cpus},
     ).bind(
         engines=engines,
-        models=list(config.models),
-        settings=config.gateway,
+        models=list(zip(config.model_files, config.models)),
+        settings=gw,
+        guard=guard,
+        retriever=retriever,
+        embedder=embedder,
     )
 
 

@@ -10,6 +10,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from engines.config import ConfigError, ModelConfig, StrictModel, format_validation_error, load_model_config, read_yaml
 from engines.provision import default_models_dir
+from retrieval.config import ChunkingConfig, EmbeddingModelConfig, IndexConfig
 
 
 class IngressSettings(StrictModel):
@@ -35,6 +36,36 @@ class AuthSettings(StrictModel):
         return frozenset(k for k in keys if k and not k.startswith("#"))
 
 
+class EmbeddingSettings(StrictModel):
+    """The embedding deployment (``/v1/embeddings``, retrieval, guardrails that embed)."""
+
+    enabled: bool = True
+    model_id: str = "all-MiniLM-L6-v2"
+    embedded: str | None = Field("all-MiniLM-L6-v2", description="prepared model under models_dir")
+    path: str | None = Field(None, description="or: a sentence-transformers folder")
+    model: EmbeddingModelConfig = EmbeddingModelConfig()
+    num_replicas: int = Field(1, ge=1)
+    num_cpus: float = Field(1.0, ge=0)
+
+
+class RetrievalSettings(StrictModel):
+    """Vector stores: where they live and how documents are indexed."""
+
+    enabled: bool = True
+    storage_dir: str = Field("../.data/retrieval", description="relative to this file")
+    index: IndexConfig = IndexConfig()
+    chunking: ChunkingConfig = ChunkingConfig()
+
+
+class GuardrailSettings(StrictModel):
+    """The guardrails deployment. What each model's rails do is in its model file."""
+
+    enabled: bool = True
+    classifier_path: str | None = Field(None, description="injection classifier; default: the one make models trains")
+    num_replicas: int = Field(1, ge=1)
+    num_cpus: float = Field(0.25, ge=0)
+
+
 class GatewayConfig(StrictModel):
     """Top-level gateway settings."""
 
@@ -45,8 +76,13 @@ class GatewayConfig(StrictModel):
     max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     # Upper bound on one request's wall time, so a stuck engine cannot hold a client forever.
     request_timeout_s: float = Field(600.0, gt=0)
+    # How often the ingress re-reads the model files for policy changes.
+    policy_reload_interval_s: float = Field(2.0, gt=0)
     ingress: IngressSettings = IngressSettings()
     auth: AuthSettings = AuthSettings()
+    embedding: EmbeddingSettings = EmbeddingSettings()
+    retrieval: RetrievalSettings = RetrievalSettings()
+    guardrails: GuardrailSettings = GuardrailSettings()
 
     @model_validator(mode="after")
     def _unique_files(self) -> "GatewayConfig":
@@ -62,12 +98,17 @@ class LoadedConfig:
     path: Path
     gateway: GatewayConfig
     models: tuple[ModelConfig, ...]
+    model_files: tuple[Path, ...]  # the file each model was read from, in the same order
 
     @property
     def models_dir(self) -> Path:
         if self.gateway.models_dir:
             return (self.path.parent / os.path.expandvars(self.gateway.models_dir)).resolve()
         return default_models_dir().resolve()
+
+    def resolve(self, relative: str) -> Path:
+        """A path from this config, relative to the config file's folder."""
+        return (self.path.parent / os.path.expandvars(relative)).expanduser().resolve()
 
     def model(self, model_id: str) -> ModelConfig | None:
         return next((m for m in self.models if m.model_id == model_id), None)
@@ -82,9 +123,10 @@ def load_config(path: str | Path, **overrides) -> LoadedConfig:
         gateway = GatewayConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(path, exc)) from None
-    models = tuple(load_model_config(path.parent / f) for f in gateway.models)
+    model_files = tuple((path.parent / f).resolve() for f in gateway.models)
+    models = tuple(load_model_config(f) for f in model_files)
     ids = [m.model_id for m in models]
     duplicates = sorted({i for i in ids if ids.count(i) > 1})
     if duplicates:
         raise ConfigError(f"{path}: model_id {duplicates} is served by more than one model file")
-    return LoadedConfig(path=path, gateway=gateway, models=models)
+    return LoadedConfig(path=path, gateway=gateway, models=models, model_files=model_files)

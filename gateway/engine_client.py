@@ -31,8 +31,11 @@ _UNAVAILABLE = (
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 # A hook that sees each parsed stream event and returns the events to send instead
-# (the output rails use it). None means pass events through.
+# (the output rails use it). Setting its `stopped` attribute ends the stream and cancels
+# the engine call. None means pass events through.
 EventFilter = Callable[[dict[str, Any]], list[dict[str, Any]]]
+# A hook that rewrites a whole non-streaming response body (output rails, sources).
+BodyFilter = Callable[[dict[str, Any]], dict[str, Any]]
 
 
 def error_from_engine(err: ErrorResponse) -> APIError:
@@ -83,12 +86,23 @@ class EngineClient:
             raise error_from_engine(error)
         return first, gen
 
-    async def respond(self, method: str, request: Any, event_filter: EventFilter | None = None) -> Response:
+    async def respond(
+        self,
+        method: str,
+        request: Any,
+        *,
+        event_filter: EventFilter | None = None,
+        body_filter: BodyFilter | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> Response:
         first, gen = await self.call(method, request)
         if not isinstance(first, list):  # non-streaming: a single response object
-            return JSONBytesResponse(response_body(first))
+            body = response_body(first)
+            return JSONBytesResponse(body_filter(body) if body_filter else body, headers=headers)
         return StreamingResponse(
-            relay_stream(first, gen, event_filter), media_type="text/event-stream", headers=STREAM_HEADERS
+            relay_stream(first, gen, event_filter),
+            media_type="text/event-stream",
+            headers={**STREAM_HEADERS, **(headers or {})},
         )
 
 
@@ -113,6 +127,12 @@ async def relay_stream(
                     raise _StreamError(payload["error"])
                 events = [payload] if event_filter is None else event_filter(payload)
                 out.extend(sse.event(prune_nulls(e)) for e in events)
+            if getattr(event_filter, "stopped", False):
+                # A rail ended the answer: stop the engine before telling the client.
+                gen.cancel()
+                finished = True
+                yield "".join(out) + sse.DONE
+                return
             if out:
                 yield "".join(out)
             try:

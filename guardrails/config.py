@@ -11,13 +11,21 @@ from collections.abc import Mapping
 from enum import StrEnum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from guardrails.entities import EntityType, RuleAction
 
 # Threshold picked from cross-validation on the training split (see eval_injection.py and
 # guardrails/data/README.md for the measured precision/recall/FPR at this value).
-DEFAULT_INJECTION_THRESHOLD = 0.5
+DEFAULT_INJECTION_THRESHOLD = 0.74
 
 DEFAULT_INPUT_PII: dict[EntityType, RuleAction] = {
     EntityType.CREDIT_CARD: RuleAction.BLOCK,

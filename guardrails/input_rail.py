@@ -12,8 +12,13 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from guardrails.config import GuardrailPolicy
-from guardrails.detectors.injection import InjectionClassifier, InjectionDetector, InjectionScorer
+from guardrails.config import GuardrailPolicy, InjectionDetectorKind, InjectionPolicy
+from guardrails.detectors.injection import (
+    DEFAULT_ARTIFACT,
+    InjectionClassifier,
+    InjectionDetector,
+    InjectionScorer,
+)
 from guardrails.detectors.limits import check_limits
 from guardrails.detectors.pii import check_pii
 from guardrails.detectors.topics import TopicMatcher
@@ -23,11 +28,23 @@ from guardrails.verdict import PolicyCode, Verdict, combine
 logger = logging.getLogger(__name__)
 
 
+def build_injection_scorer(policy: InjectionPolicy) -> InjectionScorer | None:
+    """The scorer a policy asks for: the embedding classifier artifact, or a local HF classifier."""
+    if not policy.enabled:
+        return None
+    if policy.detector is InjectionDetectorKind.HF_SEQUENCE_CLASSIFIER:
+        from guardrails.detectors.injection_hf import HfInjectionClassifier
+
+        assert policy.hf is not None  # guaranteed by InjectionPolicy validation
+        return HfInjectionClassifier(policy.hf)
+    return InjectionClassifier.load(policy.classifier_path or DEFAULT_ARTIFACT)
+
+
 def run_rail(rail: str, check: Callable[[], Verdict], *, fail_open: bool, metrics: RailMetrics) -> Verdict:
     """Run one rail; an exception is logged (type only, never the text), counted, and blocks unless fail_open."""
     try:
         verdict = check()
-    except Exception as exc:  # noqa: BLE001 - a broken rail must not wave the request through
+    except Exception as exc:  # a broken rail must not wave the request through
         metrics.record_error(rail)
         logger.error("rail %s raised %s", rail, type(exc).__name__)
         logger.debug("rail %s traceback", rail, exc_info=True)

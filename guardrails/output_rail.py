@@ -81,7 +81,7 @@ class PatternCheck:
         self._compiled: list[tuple[re.Pattern[str], ForbiddenPattern]] = []
         horizon = 1
         for p in patterns:
-            flags = re.I if p.ignore_case else 0
+            flags = re.IGNORECASE if p.ignore_case else 0
             self._compiled.append((re.compile(p.pattern if p.regex else re.escape(p.pattern), flags), p))
             horizon = max(horizon, p.max_match_chars or (64 if p.regex else len(p.pattern)))
         self.horizon_chars = horizon
@@ -137,7 +137,8 @@ class StreamGuard:
         self._held = ""
         self._tail = ""
         self._blocked: Verdict | None = None
-        self._redactions: list[str] = []
+        # Label -> code of every span rewritten so far (labels name entities or pattern numbers, never text).
+        self._redacted: dict[str, PolicyCode] = {}
 
     @classmethod
     def from_policy(
@@ -146,8 +147,13 @@ class StreamGuard:
         extra_checks: Sequence[OutputCheck] = (),
         metrics: RailMetrics | None = None,
     ) -> StreamGuard:
-        """Guard built from a model's policy: PII output actions, forbidden patterns, then extra checks."""
+        """Guard built from a model's policy: PII output actions, forbidden patterns, then extra checks.
+
+        With guardrails or the output rail disabled the guard has no checks and releases text at once.
+        """
         checks: list[OutputCheck] = []
+        if not (policy.enabled and policy.output.enabled):
+            return cls([], 1, metrics=metrics)
         if policy.pii.enabled:
             checks.append(PiiOutputCheck(policy.pii.output))
         if policy.output.forbidden:
@@ -171,9 +177,10 @@ class StreamGuard:
         """Verdict over everything seen so far: blocked, redacted (if any span was rewritten) or allowed."""
         if self._blocked is not None:
             return self._blocked
-        if self._redactions:
-            labels = ", ".join(sorted(set(self._redactions)))
-            return Verdict(Action.REDACTED, self.rail, reason=f"redacted {labels}", code=PolicyCode.PII_REDACTED)
+        if self._redacted:
+            labels = ", ".join(sorted(self._redacted))
+            code = next(iter(self._redacted.values()))
+            return Verdict(Action.REDACTED, self.rail, reason=f"redacted {labels}", code=code)
         return Verdict.allow(self.rail)
 
     def push(self, delta: str) -> StreamStep:
@@ -181,6 +188,9 @@ class StreamGuard:
         if self._blocked is not None:
             return StreamStep("", self._blocked)
         self._held += delta
+        if not self.checks:
+            released, self._held = self._held, ""
+            return StreamStep(released, self.verdict)
         if len(self._held) <= self.hold:
             return StreamStep("", self.verdict)
         return self._process(final=False)
@@ -204,7 +214,7 @@ class StreamGuard:
         for check in self.checks:
             try:
                 matches.extend(check.scan(text))
-            except Exception as exc:  # noqa: BLE001 - any failure inside a check must not pass text through
+            except Exception as exc:  # any failure inside a check must not pass text through
                 self.metrics.record_error(f"{self.rail}.{check.name}")
                 # The exception message may quote the text, so only its type is logged.
                 logger.error("output check %s raised %s", check.name, type(exc).__name__)
@@ -245,7 +255,7 @@ class StreamGuard:
                 break
             out.append(text[pos : max(pos, m.start)])
             out.append(m.replacement)
-            self._redactions.append(m.label)
+            self._redacted.setdefault(m.label, m.code)
             pos = max(pos, m.end)
         out.append(text[pos:cut])
         self._tail = (self._tail + self._held[: cut - off])[-self.lookbehind :]

@@ -13,8 +13,8 @@ resort for long words or text without spaces). Where the next one starts: at mos
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from retrieval.config import ChunkingConfig
 

@@ -25,9 +25,9 @@ import math
 import secrets
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
 
 import faiss
 import numpy as np
@@ -69,13 +69,21 @@ class _Document:
     first_chunk_id: int
     chunk_count: int
     usage_bytes: int
+    chunking: dict | None = None
 
     def entry(self) -> dict:
         return {name: getattr(self, name) for name in self.__slots__}
 
     def info(self) -> DocumentInfo:
-        return DocumentInfo(self.doc_id, self.source, dict(self.attributes), self.created_at,
-                            self.chunk_count, self.usage_bytes)
+        return DocumentInfo(
+            self.doc_id,
+            self.source,
+            dict(self.attributes),
+            self.created_at,
+            self.chunk_count,
+            self.usage_bytes,
+            dict(self.chunking) if self.chunking is not None else None,
+        )
 
 
 @dataclass(slots=True)
@@ -137,9 +145,20 @@ class Collection:
     # -- persistence -------------------------------------------------------------------------
 
     @classmethod
-    def create(cls, path: Path, **kwargs) -> Collection:
-        """Create an empty collection and its directory at ``path`` (constructor kwargs)."""
-        coll = cls(**kwargs)
+    def create(
+        cls,
+        path: Path,
+        *,
+        name: str,
+        dimension: int,
+        index_config: IndexConfig | None = None,
+        metadata: Mapping[str, str] | None = None,
+        id: str | None = None,
+    ) -> Collection:
+        """Create an empty collection and its directory at ``path``."""
+        coll = cls(
+            name=name, dimension=dimension, index_config=index_config, metadata=metadata, id=id
+        )
         coll._committed_index_file = index_file_name(0)
         manifest = coll._manifest(coll._committed_index_file)
         coll._storage = CollectionDir.create(path, manifest, faiss.serialize_index(coll._index))
@@ -150,8 +169,14 @@ class Collection:
         """Load the last committed state at ``path`` and delete crash leftovers there."""
         storage = CollectionDir(path)
         manifest, index = storage.load()
-        coll = cls(name=manifest.name, dimension=manifest.dimension, index_config=manifest.index,
-                   metadata=manifest.metadata, id=manifest.id, created_at=manifest.created_at)
+        coll = cls(
+            name=manifest.name,
+            dimension=manifest.dimension,
+            index_config=manifest.index,
+            metadata=manifest.metadata,
+            id=manifest.id,
+            created_at=manifest.created_at,
+        )
         coll.last_active_at = manifest.last_active_at
         coll._index = index
         coll._inner = faiss.downcast_index(index.index)
@@ -170,7 +195,9 @@ class Collection:
                 coll._chunks[doc.first_chunk_id + i] = (doc, i, text)
         ids = faiss.vector_to_array(index.id_map)
         live = np.fromiter(coll._chunks, dtype=np.int64, count=len(coll._chunks))
-        if not np.isin(live, ids).all() or (manifest.index.kind == "flat" and ids.size != live.size):
+        if not np.isin(live, ids).all() or (
+            manifest.index.kind == "flat" and ids.size != live.size
+        ):
             raise StorageCorruptError(f"{path}: index and manifest disagree")
         storage.remove_garbage(manifest)
         coll._storage = storage
@@ -178,11 +205,18 @@ class Collection:
 
     def _manifest(self, index_file: str) -> dict:
         return {
-            "format": 1, "version": self._version, "id": self.id, "name": self.name,
-            "created_at": self.created_at, "last_active_at": self.last_active_at,
-            "metadata": self.metadata, "dimension": self.dimension,
-            "index": self.index_config.model_dump(), "next_chunk_id": self._next_chunk_id,
-            "next_doc_seq": self._next_doc_seq, "index_file": index_file,
+            "format": 1,
+            "version": self._version,
+            "id": self.id,
+            "name": self.name,
+            "created_at": self.created_at,
+            "last_active_at": self.last_active_at,
+            "metadata": self.metadata,
+            "dimension": self.dimension,
+            "index": self.index_config.model_dump(),
+            "next_chunk_id": self._next_chunk_id,
+            "next_doc_seq": self._next_doc_seq,
+            "index_file": index_file,
             "documents": [d.entry() for d in self._docs.values()],
         }
 
@@ -193,10 +227,17 @@ class Collection:
             return None
         self._version += 1
         self._save_lock.acquire()
-        write_index = index_changed or self._committed_index_file is None
-        index_file = index_file_name(self._version) if write_index else self._committed_index_file
-        index_bytes = faiss.serialize_index(self._index) if write_index else None
-        return _PendingCommit(self._manifest(index_file), index_bytes)
+        try:
+            write_index = index_changed or self._committed_index_file is None
+            index_file = (
+                index_file_name(self._version) if write_index else self._committed_index_file
+            )
+            index_bytes = faiss.serialize_index(self._index) if write_index else None
+            return _PendingCommit(self._manifest(index_file), index_bytes)
+        except BaseException:
+            self._committed_index_file = None  # this version's changes were never written
+            self._save_lock.release()
+            raise
 
     def _finish_commit(self, pending: _PendingCommit | None) -> None:
         """Write a snapshot; call without ``_lock``, releases ``_save_lock``."""
@@ -223,17 +264,21 @@ class Collection:
         vectors: np.ndarray,
         source: str = "",
         attributes: Mapping[str, object] | None = None,
+        chunking: Mapping[str, int] | None = None,
     ) -> int:
         """Add a document's chunks and their vectors (one row each); returns the chunk count.
 
-        Vectors should be L2-normalised: scores are inner products.
+        Vectors should be L2-normalised: scores are inner products. ``chunking`` records how the
+        chunks were made (e.g. ``ChunkingConfig.model_dump()``), for the API to report.
         """
         if not isinstance(doc_id, str) or not doc_id:
             raise InvalidInputError("doc_id must be a non-empty string")
         if isinstance(chunks, str) or not all(isinstance(c, str) for c in chunks):
             raise InvalidInputError("chunks must be a list of strings")
         vectors = np.ascontiguousarray(vectors, dtype=np.float32)
-        if vectors.shape != (len(chunks), self.dimension) and not (len(chunks) == 0 and vectors.size == 0):
+        if vectors.shape != (len(chunks), self.dimension) and not (
+            len(chunks) == 0 and vectors.size == 0
+        ):
             raise InvalidInputError(
                 f"vectors must have shape ({len(chunks)}, {self.dimension}), got {vectors.shape}"
             )
@@ -254,10 +299,22 @@ class Collection:
                 raise DocumentExistsError(f"document {doc_id!r} already exists")
             first = self._next_chunk_id
             if texts:
-                self._index.add_with_ids(vectors, np.arange(first, first + len(texts), dtype=np.int64))
+                self._index.add_with_ids(
+                    vectors, np.arange(first, first + len(texts), dtype=np.int64)
+                )
             self._next_chunk_id += len(texts)
             usage = sum(len(t.encode("utf-8")) for t in texts) + vectors.nbytes
-            doc = _Document(doc_id, seq, source, attrs, int(time.time()), first, len(texts), usage)
+            doc = _Document(
+                doc_id,
+                seq,
+                source,
+                attrs,
+                int(time.time()),
+                first,
+                len(texts),
+                usage,
+                dict(chunking) if chunking is not None else None,
+            )
             self._docs[doc_id] = doc
             for i, text in enumerate(texts):
                 self._chunks[first + i] = (doc, i, text)
@@ -280,7 +337,10 @@ class Collection:
                 if self.index_config.kind == "flat":
                     self._index.remove_ids(faiss.IDSelectorRange(doc.first_chunk_id, end))
                     index_changed = True
-                elif self._tombstones() > self.index_config.compact_tombstone_ratio * self._index.ntotal:
+                elif (
+                    self._tombstones()
+                    > self.index_config.compact_tombstone_ratio * self._index.ntotal
+                ):
                     self._compact()
                     index_changed = True
             pending = self._begin_commit(index_changed)
@@ -290,7 +350,9 @@ class Collection:
         logger.debug("collection %s: deleted %s (%d chunks)", self.id, doc_id, doc.chunk_count)
         return doc.chunk_count
 
-    def update_attributes(self, doc_id: str, attributes: Mapping[str, object] | None) -> DocumentInfo:
+    def update_attributes(
+        self, doc_id: str, attributes: Mapping[str, object] | None
+    ) -> DocumentInfo:
         """Replace a document's attributes (OpenAI's update of a vector store file)."""
         attrs = validate_attributes(attributes)
         with self._lock:
@@ -303,7 +365,9 @@ class Collection:
         self._finish_commit(pending)
         return info
 
-    def update_info(self, *, name: str | None = None, metadata: Mapping[str, str] | None = None) -> CollectionInfo:
+    def update_info(
+        self, *, name: str | None = None, metadata: Mapping[str, str] | None = None
+    ) -> CollectionInfo:
         """Rename and/or replace metadata. Name uniqueness is the CollectionStore's job."""
         checked = validate_metadata(metadata) if metadata is not None else None
         with self._lock:
@@ -341,8 +405,12 @@ class Collection:
             index.add_with_ids(np.ascontiguousarray(vectors[keep]), ids[keep])
         dropped = self._index.ntotal - index.ntotal
         self._index, self._inner = index, inner
-        logger.info("collection %s: compacted %d tombstones in %.2fs", self.id, dropped,
-                    time.perf_counter() - started)
+        logger.info(
+            "collection %s: compacted %d tombstones in %.2fs",
+            self.id,
+            dropped,
+            time.perf_counter() - started,
+        )
 
     # -- reads -------------------------------------------------------------------------------
 
@@ -368,51 +436,71 @@ class Collection:
             ntotal = self._index.ntotal
             want = min(top_k, live)
             # Tombstones (HNSW only) take result slots: ask for enough to expect `want` live ones.
-            fetch = want if ntotal == live else min(ntotal, math.ceil(want * ntotal / live * 1.25) + 8)
+            fetch = (
+                want if ntotal == live else min(ntotal, math.ceil(want * ntotal / live * 1.25) + 8)
+            )
             while True:
                 scores, ids = self._index.search(query, fetch)
-                hits, exhausted = self._collect(scores[0].tolist(), ids[0].tolist(), want, min_score)
+                hits, exhausted = self._collect(
+                    scores[0].tolist(), ids[0].tolist(), want, min_score
+                )
                 if exhausted or len(hits) >= want or fetch >= ntotal:
                     return hits
                 fetch = min(ntotal, fetch * 2)
 
-    def _search_filtered(self, query: np.ndarray, top_k: int, min_score: float | None,
-                         filter: AttributeFilter) -> list[Hit]:
+    def _search_filtered(
+        self, query: np.ndarray, top_k: int, min_score: float | None, filter: AttributeFilter
+    ) -> list[Hit]:
         docs = [d for d in self._docs.values() if d.chunk_count and filter.matches(d.attributes)]
         if not docs:
             return []
-        allowed = np.concatenate([np.arange(d.first_chunk_id, d.first_chunk_id + d.chunk_count,
-                                            dtype=np.int64) for d in docs])
+        allowed = np.concatenate(
+            [
+                np.arange(d.first_chunk_id, d.first_chunk_id + d.chunk_count, dtype=np.int64)
+                for d in docs
+            ]
+        )
         want = min(top_k, allowed.size)
         selector = faiss.IDSelectorBatch(allowed)
         if self.index_config.kind == "flat":
-            scores, ids = self._index.search(query, want, params=faiss.SearchParameters(sel=selector))
+            scores, ids = self._index.search(
+                query, want, params=faiss.SearchParameters(sel=selector)
+            )
         else:
-            params = faiss.SearchParametersHNSW(sel=selector, efSearch=max(self.index_config.ef_search, want))
+            params = faiss.SearchParametersHNSW(
+                sel=selector, efSearch=max(self.index_config.ef_search, want)
+            )
             scores, ids = self._index.search(query, want, params=params)
             if (ids[0] >= 0).sum() < want:
                 # The graph walk found too few allowed vectors (a selective filter): go exact.
                 translated = faiss.IDSelectorTranslated(self._index.id_map, selector)
                 storage = faiss.downcast_index(self._inner.storage)
-                scores, rows = storage.search(query, want, params=faiss.SearchParameters(sel=translated))
-                ids = np.array([[self._index.id_map.at(int(r)) if r >= 0 else -1 for r in rows[0]]])
+                scores, rows = storage.search(
+                    query, want, params=faiss.SearchParameters(sel=translated)
+                )
+                id_map = self._index.id_map
+                ids = np.array([[id_map.at(int(r)) if r >= 0 else -1 for r in rows[0]]])
         hits, _ = self._collect(scores[0].tolist(), ids[0].tolist(), want, min_score)
         return hits
 
-    def _collect(self, scores: list[float], ids: list[int], want: int,
-                 min_score: float | None) -> tuple[list[Hit], bool]:
-        """Turn FAISS results into hits; True when min_score cut the list (no point fetching more)."""
+    def _collect(
+        self, scores: list[float], ids: list[int], want: int, min_score: float | None
+    ) -> tuple[list[Hit], bool]:
+        """FAISS results to hits; True when min_score cut the list (no point fetching more)."""
         hits: list[Hit] = []
         chunks = self._chunks
-        for score, chunk_id in zip(scores, ids):
+        for score, chunk_id in zip(scores, ids, strict=True):
             record = chunks.get(chunk_id)
             if record is None:  # -1 padding or a tombstone
                 continue
             if min_score is not None and score < min_score:
                 return hits, True
             doc, chunk_index, text = record
-            hits.append(Hit(score, doc.doc_id, chunk_id, chunk_index, text, doc.source,
-                            dict(doc.attributes)))
+            hits.append(
+                Hit(
+                    score, doc.doc_id, chunk_id, chunk_index, text, doc.source, dict(doc.attributes)
+                )
+            )
             if len(hits) == want:
                 break
         return hits, False
@@ -444,8 +532,11 @@ class Collection:
 
     def _info(self) -> CollectionInfo:
         return CollectionInfo(
-            id=self.id, name=self.name, created_at=self.created_at,
-            last_active_at=self.last_active_at, metadata=dict(self.metadata),
+            id=self.id,
+            name=self.name,
+            created_at=self.created_at,
+            last_active_at=self.last_active_at,
+            metadata=dict(self.metadata),
             usage_bytes=sum(d.usage_bytes for d in self._docs.values()),
             file_counts=FileCounts(completed=len(self._docs)),
         )
@@ -453,8 +544,11 @@ class Collection:
     def stats(self) -> CollectionStats:
         with self._lock:
             return CollectionStats(
-                kind=self.index_config.kind, dimension=self.dimension, documents=len(self._docs),
-                chunks=len(self._chunks), index_vectors=self._index.ntotal,
+                kind=self.index_config.kind,
+                dimension=self.dimension,
+                documents=len(self._docs),
+                chunks=len(self._chunks),
+                index_vectors=self._index.ntotal,
                 tombstones=self._tombstones(),
                 usage_bytes=sum(d.usage_bytes for d in self._docs.values()),
             )

@@ -6,13 +6,14 @@ Every model forbids unknown keys so that a typo in a YAML file fails at load wit
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Sequence
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 if TYPE_CHECKING:
-    from retrieval.collection import Hit
+    from retrieval.records import Hit, Passage
 
 # Placeholders understood by RetrievalPolicy templates.
 PASSAGES_PLACEHOLDER = "{passages}"
@@ -41,7 +42,9 @@ class EmbeddingModelConfig(BaseModel):
         default=False,
         description="Truncate over-long inputs instead of rejecting them (the API answers 400).",
     )
-    num_threads: int | None = Field(default=None, ge=1, le=256, description="torch intra-op threads.")
+    num_threads: int | None = Field(
+        default=None, ge=1, le=256, description="torch intra-op threads."
+    )
     encode_batch_size: int = Field(default=32, ge=1, le=4096)
     max_batch_size: int = Field(default=32, ge=1, le=4096)
     batch_wait_timeout_s: float = Field(default=0.005, ge=0.0, le=10.0)
@@ -111,9 +114,7 @@ class RetrievalPolicy(BaseModel):
     collections: list[str] = Field(default_factory=list, description="Collection names or ids.")
     top_k: int = Field(default=4, ge=1, le=50)
     min_score: float | None = Field(default=None, ge=-1.0, le=1.0)
-    template: str = (
-        "Use the following passages to answer if they are relevant.\n\n{passages}"
-    )
+    template: str = "Use the following passages to answer if they are relevant.\n\n{passages}"
     passage_template: str = "[{index}] {source}\n{text}"
     passage_separator: str = "\n\n"
     allow_request_override: bool = False
@@ -140,7 +141,7 @@ class RetrievalPolicy(BaseModel):
             raise ValueError("collections must not repeat")
         return self
 
-    def render(self, hits: Sequence[Hit]) -> str:
+    def render(self, hits: Sequence[Hit | Passage]) -> str:
         """Return the context block for ``hits`` (best first), or "" when there are none."""
         if not hits:
             return ""
@@ -154,7 +155,9 @@ class RetrievalPolicy(BaseModel):
                 "doc_id": hit.doc_id,
             }
             # One pass, so a "{text}" inside a document is never substituted again.
-            rendered.append(_PASSAGE_FIELDS.sub(lambda m: values[m.group(1)], self.passage_template))
+            rendered.append(
+                _PASSAGE_FIELDS.sub(lambda m, v=values: v[m.group(1)], self.passage_template)
+            )
         return self.template.replace(PASSAGES_PLACEHOLDER, self.passage_separator.join(rendered))
 
 

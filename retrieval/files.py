@@ -23,8 +23,14 @@ from retrieval.persistence import TMP_MARKER, atomic_write, fsync_dir
 logger = logging.getLogger(__name__)
 
 FilePurpose = Literal[
-    "assistants", "assistants_output", "batch", "batch_output", "fine-tune",
-    "fine-tune-results", "vision", "user_data",
+    "assistants",
+    "assistants_output",
+    "batch",
+    "batch_output",
+    "fine-tune",
+    "fine-tune-results",
+    "vision",
+    "user_data",
 ]
 
 
@@ -61,15 +67,20 @@ class FileStore:
             if entry.stem not in self._files:
                 entry.unlink(missing_ok=True)
 
-    def create(self, filename: str, content: bytes, purpose: FilePurpose = "assistants") -> StoredFile:
+    def create(
+        self, filename: str, content: bytes, purpose: FilePurpose = "assistants"
+    ) -> StoredFile:
         """Store ``content`` and return its file object."""
         if not filename or len(filename) > 512:
             raise InvalidInputError("filename must be 1 to 512 characters")
         if len(content) > self.max_bytes:
             raise InvalidInputError(f"file is larger than {self.max_bytes} bytes")
         stored = StoredFile(
-            id=f"file-{secrets.token_hex(12)}", bytes=len(content), created_at=int(time.time()),
-            filename=filename, purpose=purpose,
+            id=f"file-{secrets.token_hex(12)}",
+            bytes=len(content),
+            created_at=int(time.time()),
+            filename=filename,
+            purpose=purpose,
         )
         atomic_write(self._content_path(stored.id), content)
         atomic_write(self.root / f"{stored.id}.json", stored.model_dump_json().encode("utf-8"))

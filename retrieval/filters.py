@@ -10,11 +10,12 @@ makes a comparison false, except ``ne`` and ``nin``, which are then true.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Mapping, Union
+from collections.abc import Mapping
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-Scalar = Union[str, float, int, bool]
+Scalar = str | float | int | bool
 Attributes = Mapping[str, Scalar]
 
 
@@ -25,7 +26,7 @@ class ComparisonFilter(BaseModel):
 
     type: Literal["eq", "ne", "gt", "gte", "lt", "lte", "in", "nin"] = "eq"
     key: str
-    value: Union[Scalar, list[Union[str, float, int]]]
+    value: Scalar | list[str | float | int]
 
     def matches(self, attributes: Attributes) -> bool:
         """True when the document's attributes satisfy this comparison."""
@@ -63,7 +64,7 @@ class CompoundFilter(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["and", "or"]
-    filters: list[Union[ComparisonFilter, CompoundFilter]] = Field(min_length=1)
+    filters: list[ComparisonFilter | CompoundFilter] = Field(min_length=1)
 
     def matches(self, attributes: Attributes) -> bool:
         """True when the document's attributes satisfy this combination."""
@@ -72,7 +73,7 @@ class CompoundFilter(BaseModel):
         return any(f.matches(attributes) for f in self.filters)
 
 
-AttributeFilter = Annotated[Union[ComparisonFilter, CompoundFilter], Field(union_mode="left_to_right")]
+AttributeFilter = Annotated[ComparisonFilter | CompoundFilter, Field(union_mode="left_to_right")]
 
 
 def _same_kind(a: object, b: object) -> bool:

@@ -56,6 +56,7 @@ class DocumentEntry(BaseModel):
     first_chunk_id: int
     chunk_count: int
     usage_bytes: int
+    chunking: dict[str, int] | None = None
 
 
 class CollectionManifest(BaseModel):
@@ -93,7 +94,7 @@ def fsync_dir(path: Path) -> None:
 
 
 def atomic_write(path: Path, data: bytes | memoryview) -> None:
-    """Replace ``path`` with ``data`` so that readers see the old or the new content, never a mix."""
+    """Replace ``path`` with ``data``; readers see the old or the new content, never a mix."""
     tmp = path.with_name(f".{path.name}{TMP_MARKER}{os.getpid()}-{secrets.token_hex(4)}")
     try:
         with open(tmp, "wb") as f:

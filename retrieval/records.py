@@ -6,12 +6,13 @@ the per-hit cost is part of the latency budget.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal, Mapping, Union
+from typing import Literal
 
 from retrieval.errors import InvalidInputError
 
-AttributeValue = Union[str, int, float, bool]
+AttributeValue = str | int | float | bool
 
 # OpenAI's limits on vector store file attributes and on object metadata.
 MAX_ATTRIBUTES = 16
@@ -37,6 +38,33 @@ class Hit:
 
 
 @dataclass(frozen=True, slots=True)
+class Passage:
+    """One retrieved chunk for the chat path: a Hit plus the vector store it came from.
+
+    ``score`` is the raw cosine similarity in [-1, 1] (what ``RetrievalPolicy.min_score``
+    compares against). ``doc_id`` and ``source`` alias ``file_id`` and ``filename`` so that
+    ``RetrievalPolicy.render`` takes passages as it takes hits.
+    """
+
+    score: float
+    vector_store_id: str
+    vector_store_name: str
+    file_id: str
+    filename: str
+    chunk_index: int
+    text: str
+    attributes: dict[str, AttributeValue]
+
+    @property
+    def doc_id(self) -> str:
+        return self.file_id
+
+    @property
+    def source(self) -> str:
+        return self.filename
+
+
+@dataclass(frozen=True, slots=True)
 class DocumentInfo:
     """A document (an OpenAI vector store file) as stored in a collection."""
 
@@ -46,6 +74,7 @@ class DocumentInfo:
     created_at: int
     chunk_count: int
     usage_bytes: int
+    chunking: dict[str, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)

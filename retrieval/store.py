@@ -5,8 +5,11 @@ directory under a temporary name and renames it into place; deleting renames it 
 first, so a crash never leaves a half-made or half-deleted collection that looks real. Leftover
 temporary and trash directories are removed when the store opens.
 
-Names are unique within a store (OpenAI allows duplicates; we don't, so that a model's retrieval
-policy can name its collections unambiguously).
+Names: unique by default (``CollectionStore(..., unique_names=True)``), so that a model's
+retrieval policy names its collections unambiguously. OpenAI's API allows duplicate names, so the
+vector stores API opens its store with ``unique_names=False``; a name then resolves to the most
+recently created collection of that name (latest ``created_at``; within the same second, the one
+created last by this process, or after a restart the greater id).
 """
 
 from __future__ import annotations
@@ -16,8 +19,8 @@ import os
 import secrets
 import shutil
 import threading
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 from retrieval.collection import Collection, new_collection_id
 from retrieval.config import IndexConfig
@@ -42,13 +45,22 @@ class CollectionStore:
     another dimension is an error at open, not at its first search.
     """
 
-    def __init__(self, root: Path, *, dimension: int, default_index: IndexConfig | None = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        dimension: int,
+        default_index: IndexConfig | None = None,
+        unique_names: bool = True,
+    ) -> None:
         self.root = Path(root)
         self.dimension = dimension
         self.default_index = default_index or IndexConfig()
+        self.unique_names = unique_names
         self._lock = threading.Lock()
         self._collections: dict[str, Collection] = {}
         self.root.mkdir(parents=True, exist_ok=True)
+        loaded = []
         for entry in sorted(self.root.iterdir()):
             if entry.name.startswith((TMP_MARKER, _TRASH_MARKER)):
                 logger.info("removing leftover %s", entry)
@@ -59,8 +71,13 @@ class CollectionStore:
                     raise StorageCorruptError(
                         f"{entry}: collection has dimension {coll.dimension}, the store {dimension}"
                     )
-                self._collections[coll.id] = coll
-        logger.info("opened collection store %s: %d collection(s)", self.root, len(self._collections))
+                loaded.append(coll)
+        # Oldest first, as if created in this process: name lookups prefer the latest.
+        for coll in sorted(loaded, key=lambda c: (c.created_at, c.id)):
+            self._collections[coll.id] = coll
+        logger.info(
+            "opened collection store %s: %d collection(s)", self.root, len(self._collections)
+        )
 
     def create(
         self,
@@ -76,22 +93,27 @@ class CollectionStore:
         with self._lock:
             self._ensure_name_free(name)
             coll = Collection.create(
-                self.root / collection_id, id=collection_id, name=name, dimension=self.dimension,
-                index_config=index_config or self.default_index, metadata=metadata,
+                self.root / collection_id,
+                id=collection_id,
+                name=name,
+                dimension=self.dimension,
+                index_config=index_config or self.default_index,
+                metadata=metadata,
             )
             self._collections[collection_id] = coll
         logger.info("created collection %s (%s)", collection_id, coll.index_config.kind)
         return coll
 
     def get(self, id_or_name: str) -> Collection:
-        """Find a collection by id, else by name."""
+        """Find a collection by id, else by name (the most recently created of that name)."""
         with self._lock:
             coll = self._collections.get(id_or_name)
             if coll is not None:
                 return coll
-            for coll in self._collections.values():
-                if coll.name == id_or_name:
-                    return coll
+            # Reversed creation order: max() keeps the first of equal created_at, the latest.
+            named = [c for c in reversed(self._collections.values()) if c.name == id_or_name]
+            if named:
+                return max(named, key=lambda c: c.created_at)
         raise CollectionNotFoundError(f"no vector store {id_or_name!r}")
 
     def list(self) -> list[CollectionInfo]:
@@ -101,7 +123,11 @@ class CollectionStore:
         return sorted((c.info() for c in colls), key=lambda i: (i.created_at, i.id))
 
     def update(
-        self, collection_id: str, *, name: str | None = None, metadata: Mapping[str, str] | None = None
+        self,
+        collection_id: str,
+        *,
+        name: str | None = None,
+        metadata: Mapping[str, str] | None = None,
     ) -> CollectionInfo:
         """Rename a collection and/or replace its metadata."""
         with self._lock:
@@ -128,7 +154,7 @@ class CollectionStore:
         logger.info("deleted collection %s", collection_id)
 
     def _ensure_name_free(self, name: str) -> None:
-        if any(c.name == name for c in self._collections.values()):
+        if self.unique_names and any(c.name == name for c in self._collections.values()):
             raise CollectionExistsError(f"a vector store named {name!r} already exists")
 
 

@@ -50,7 +50,7 @@ def recorder(ray_session):
 
 
 @pytest.fixture(scope="session")
-def gateway_url(ray_session, recorder) -> str:
+def gateway_url(ray_session, recorder, tmp_path_factory) -> str:
     """Base URL of the fast-tier gateway (scripted engine, real Serve app)."""
     from ray import serve
 
@@ -59,7 +59,10 @@ def gateway_url(ray_session, recorder) -> str:
     from gateway.config import load_config
 
     port = free_port()
-    config = load_config(FIXTURES / "gateway.yaml", port=port, auth={"api_keys_env": API_KEYS_ENV})
+    storage = tmp_path_factory.mktemp("retrieval")
+    config = load_config(
+        FIXTURES / "gateway.yaml", port=port, auth={"api_keys_env": API_KEYS_ENV}, retrieval={"storage_dir": str(storage)}
+    )
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_gateway(config, engine_cls=ScriptedEngine), name="gateway", route_prefix="/")
     return f"http://127.0.0.1:{port}"

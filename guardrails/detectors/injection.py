@@ -36,35 +36,43 @@ _HEURISTICS: dict[str, re.Pattern[str]] = {
         r"\b(?:ignore|disregard|forget|override|bypass)\b[^.\n]{0,40}?"
         r"\b(?:previous|prior|above|earlier|preceding|initial|original|system|foregoing|following)\s+"
         r"(?:instructions?|prompts?|directions?|directives?|rules|guidelines|commands?|constraints)",
-        re.I,
+        re.IGNORECASE,
     ),
     "do_anything_now": re.compile(
-        r"\bdo anything now\b|\b(?:you are|you're|act as|pretend to be|become)\s+(?:now\s+)?(?-i:DAN|STAN|DUDE)\b",
-        re.I,
+        r"(?-i:\bDAN\b)[^\n]{0,60}?\bdo anything now\b|(?-i:\bDo Anything Now\b)|"
+        r"\b(?:you are|you're|act as|pretend to be|become)\s+(?:now\s+)?(?-i:DAN|STAN|DUDE)\b",
+        re.IGNORECASE,
     ),
     "mode_switch": re.compile(
         r"\b(?:ChatGPT|AI|assistant|chatbot|language model)\s+with\s+(?:developer|dev|god|DAN|jailbreak)\s+mode\b"
         r"|\b(?:developer|DAN|jailbreak|god)\s+mode\s+(?:enabled|activated)\b"
         r"(?=[\s\S]*\b(?:OpenAI|ChatGPT|content polic|restrictions|uncensored|unfiltered|guidelines)\b)",
-        re.I,
+        re.IGNORECASE,
     ),
     "unrestricted_persona": re.compile(
         r"\b(?:you are|you're|act as|pretend (?:to be|you are)|from now on,? you)\b[^.\n]{0,60}?"
         r"\b(?:unfiltered|uncensored|unrestricted|amoral|without (?:any )?(?:restrictions|filters|limitations|"
         r"ethical|moral))",
-        re.I,
+        re.IGNORECASE,
     ),
     "rules_release": re.compile(
         r"\b(?:you (?:are|will) no longer|you (?:don't|do not) have to|you are not bound by|you are free from|"
         r"(?:have|has) been freed from)\b[^.\n]{0,40}?\b(?:rules|restrictions|guidelines|policies|polic|filters|"
         r"OpenAI|ethic)",
-        re.I,
+        re.IGNORECASE,
     ),
     "system_prompt_exfiltration": re.compile(
         r"\b(?:reveal|print|output|repeat|display|leak|show me|tell me|give me|spell check|translate)\b[^.\n]{0,40}?"
         r"\b(?:your|the)\s+(?:system\s+prompt|initial\s+(?:instructions|prompt)|hidden\s+(?:instructions|prompt)|"
         r"original\s+instructions|pre-?prompt|previous\s+instructions)",
-        re.I,
+        re.IGNORECASE,
+    ),
+    # Indirect injection: text inside a pasted document that speaks to the model reading it.
+    "addressed_to_model": re.compile(
+        r"\b(?:note|message|instructions?|command)\s+(?:to|for)\s+(?:the\s+|any\s+)?(?:AI|assistant|language model|"
+        r"LLM|chatbot|model)\b|\bif you are an? (?:AI|language model|LLM|assistant|chatbot)\b|"
+        r"\b(?:AI|LLM|language model)s?\s+(?:assistants?\s+|agents?\s+)?(?:reading|processing|summari[sz]ing) this\b",
+        re.IGNORECASE,
     ),
     "chat_template_tokens": re.compile(r"<\|im_start\|>\s*system|<<SYS>>|<\|system\|>|<\|start_header_id\|>system"),
 }

@@ -39,7 +39,7 @@ class HfInjectionClassifier:
                 f"none of the injection labels {config.injection_labels} is in the model's labels "
                 f"{sorted(id2label.values())}"
             )
-        logger.info("loaded HF injection classifier from %s, injection labels %s", config.model_path, self.injection_ids)
+        logger.info("loaded HF injection classifier %s, injection label ids %s", config.model_path, self.injection_ids)
 
     def score_texts(self, texts: Sequence[str]) -> np.ndarray:
         """P(injection) for each text: the maximum over its overlapping windows of `max_length` tokens."""

@@ -81,7 +81,7 @@ def bsn_valid(bsn: str) -> bool:
         bsn = "0" + bsn
     if len(bsn) != 9 or not bsn.isdigit():
         return False
-    total = sum(int(d) * w for d, w in zip(bsn[:8], range(9, 1, -1))) - int(bsn[8])
+    total = sum(int(d) * w for d, w in zip(bsn[:8], range(9, 1, -1), strict=True)) - int(bsn[8])
     return total != 0 and total % 11 == 0
 
 
@@ -141,10 +141,16 @@ def _digits(text: str) -> str:
 _RULES: tuple[_Rule, ...] = (
     _Rule(
         EntityType.PRIVATE_KEY,
-        re.compile(r"-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY(?: BLOCK)?-----(?:.*?-----END [A-Z0-9 ]+-----|.*\Z)", re.S),
+        re.compile(
+            r"-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY(?: BLOCK)?-----(?:.*?-----END [A-Z0-9 ]+-----|.*\Z)", re.DOTALL
+        ),
         "pem",
     ),
-    _Rule(EntityType.API_KEY, re.compile(r"(?<![\w-])sk-(?:proj-|svcacct-|admin-|ant-)?[A-Za-z0-9_-]{20,256}"), "openai"),
+    _Rule(
+        EntityType.API_KEY,
+        re.compile(r"(?<![\w-])sk-(?:proj-|svcacct-|admin-|ant-)?[A-Za-z0-9_-]{20,256}"),
+        "openai",
+    ),
     _Rule(EntityType.API_KEY, re.compile(r"\b(?:AKIA|ASIA|ABIA|ACCA)[0-9A-Z]{16}\b"), "aws_access_key_id"),
     _Rule(
         EntityType.API_KEY,

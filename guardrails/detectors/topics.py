@@ -63,7 +63,7 @@ class TopicMatcher:
     def check(self, embedding: np.ndarray) -> Verdict:
         """Block on the most similar topic that reaches its threshold; the reason names the topic."""
         best: tuple[float, DeniedTopicIndex] | None = None
-        for topic, sim in zip(self.topics, self.similarities(embedding).values()):
+        for topic, sim in zip(self.topics, self.similarities(embedding).values(), strict=True):
             if sim >= topic.threshold and (best is None or sim > best[0]):
                 best = (sim, topic)
         if best is None:

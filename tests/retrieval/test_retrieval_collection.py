@@ -26,8 +26,11 @@ def fill(coll: Collection, unit_vectors, docs: int = 10, chunks: int = 5) -> dic
     for d in range(docs):
         v = unit_vectors(chunks, DIM)
         coll.add_document(
-            f"file-{d}", [f"doc {d} chunk {c}" for c in range(chunks)], v,
-            source=f"name-{d}.txt", attributes={"n": d, "even": d % 2 == 0, "tag": f"t{d % 3}"},
+            f"file-{d}",
+            [f"doc {d} chunk {c}" for c in range(chunks)],
+            v,
+            source=f"name-{d}.txt",
+            attributes={"n": d, "even": d % 2 == 0, "tag": f"t{d % 3}"},
         )
         vectors[f"file-{d}"] = v
     return vectors
@@ -114,10 +117,13 @@ def test_top_k_min_score_and_filters(kind, unit_vectors):
 
     evens = coll.search(q, top_k=50, filter=ComparisonFilter(type="eq", key="even", value=True))
     assert len(evens) == 25 and {h.attributes["n"] for h in evens} == {0, 2, 4, 6, 8}
-    combo = CompoundFilter(type="and", filters=[
-        ComparisonFilter(type="in", key="tag", value=["t0", "t1"]),
-        ComparisonFilter(type="gte", key="n", value=5),
-    ])
+    combo = CompoundFilter(
+        type="and",
+        filters=[
+            ComparisonFilter(type="in", key="tag", value=["t0", "t1"]),
+            ComparisonFilter(type="gte", key="n", value=5),
+        ],
+    )
     got = coll.search(q, top_k=50, filter=combo)
     assert {h.attributes["n"] for h in got} == {6, 7, 9}
     # One allowed document among many: exact results even when the graph walk finds too few.
@@ -157,7 +163,9 @@ def test_rejects_bad_input(unit_vectors):
     with pytest.raises(InvalidInputError):
         coll.add_document("b", ["x"], unit_vectors(1, DIM), attributes={"k": [1, 2]})
     with pytest.raises(InvalidInputError):
-        coll.add_document("b", ["x"], unit_vectors(1, DIM), attributes={f"k{i}": i for i in range(17)})
+        coll.add_document(
+            "b", ["x"], unit_vectors(1, DIM), attributes={f"k{i}": i for i in range(17)}
+        )
     with pytest.raises(InvalidInputError):
         coll.search(unit_vectors(1, DIM + 1)[0], 3)
     with pytest.raises(InvalidInputError):
@@ -184,7 +192,9 @@ def test_concurrent_adds_deletes_and_searches(kind, rng):
         try:
             for d in range(30):
                 v = local.standard_normal((3, DIM)).astype(np.float32)
-                coll.add_document(f"w{w}-{d}", ["a", "b", "c"], v / np.linalg.norm(v, axis=1, keepdims=True))
+                coll.add_document(
+                    f"w{w}-{d}", ["a", "b", "c"], v / np.linalg.norm(v, axis=1, keepdims=True)
+                )
                 if d % 3 == 2:
                     coll.delete_document(f"w{w}-{d - 1}")
         except BaseException as exc:  # surfaced by the assertion below

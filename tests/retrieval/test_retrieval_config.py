@@ -37,20 +37,25 @@ def test_configs_forbid_unknown_keys_and_check_ranges(tmp_path):
     with pytest.raises(ValidationError, match="collection"):
         RetrievalPolicy(enabled=True)
     with pytest.raises(ValidationError, match="exceeds"):
-        RetrievalConfig(storage_dir=tmp_path, chunking=ChunkingConfig(max_chunk_size_tokens=300,
-                                                                      chunk_overlap_tokens=0))
-    config = RetrievalConfig.model_validate({
-        "storage_dir": str(tmp_path),
-        "index": {"kind": "hnsw"},
-        "policies": {"smollm": {"enabled": True, "collections": ["kb"], "top_k": 3}},
-    })
+        RetrievalConfig(
+            storage_dir=tmp_path,
+            chunking=ChunkingConfig(max_chunk_size_tokens=300, chunk_overlap_tokens=0),
+        )
+    config = RetrievalConfig.model_validate(
+        {
+            "storage_dir": str(tmp_path),
+            "index": {"kind": "hnsw"},
+            "policies": {"smollm": {"enabled": True, "collections": ["kb"], "top_k": 3}},
+        }
+    )
     assert config.policies["smollm"].collections == ["kb"]
     assert config.chunking.max_chunk_size_tokens <= config.embedding.max_tokens - 2
 
 
 def test_policy_render_is_literal():
     policy = RetrievalPolicy(
-        enabled=True, collections=["kb"],
+        enabled=True,
+        collections=["kb"],
         template="Context {json: {x}}:\n{passages}\nEnd.",
         passage_template="<{index}|{source}|{score}> {text}",
     )
@@ -65,21 +70,39 @@ def test_policy_render_is_literal():
     assert policy.render([]) == ""
 
 
-@pytest.mark.parametrize("filter_json,expected", [
-    ({"type": "eq", "key": "lang", "value": "en"}, [True, False, False, False]),
-    ({"type": "ne", "key": "lang", "value": "en"}, [False, True, True, True]),
-    ({"type": "gt", "key": "year", "value": 2020}, [True, False, False, False]),
-    ({"type": "lte", "key": "year", "value": 2020}, [False, True, False, False]),
-    ({"type": "in", "key": "lang", "value": ["fr", "de"]}, [False, True, False, False]),
-    ({"type": "nin", "key": "lang", "value": ["fr"]}, [True, False, True, True]),
-    ({"type": "eq", "key": "draft", "value": True}, [False, False, True, False]),
-    ({"type": "eq", "key": "year", "value": True}, [False, False, False, False]),
-    ({"type": "and", "filters": [{"type": "eq", "key": "lang", "value": "en"},
-                                 {"type": "gte", "key": "year", "value": 2021}]}, [True, False, False, False]),
-    ({"type": "or", "filters": [{"type": "eq", "key": "draft", "value": True},
-                                {"type": "and", "filters": [{"type": "lt", "key": "year", "value": 2021}]}]},
-     [False, True, True, False]),
-])
+@pytest.mark.parametrize(
+    "filter_json,expected",
+    [
+        ({"type": "eq", "key": "lang", "value": "en"}, [True, False, False, False]),
+        ({"type": "ne", "key": "lang", "value": "en"}, [False, True, True, True]),
+        ({"type": "gt", "key": "year", "value": 2020}, [True, False, False, False]),
+        ({"type": "lte", "key": "year", "value": 2020}, [False, True, False, False]),
+        ({"type": "in", "key": "lang", "value": ["fr", "de"]}, [False, True, False, False]),
+        ({"type": "nin", "key": "lang", "value": ["fr"]}, [True, False, True, True]),
+        ({"type": "eq", "key": "draft", "value": True}, [False, False, True, False]),
+        ({"type": "eq", "key": "year", "value": True}, [False, False, False, False]),
+        (
+            {
+                "type": "and",
+                "filters": [
+                    {"type": "eq", "key": "lang", "value": "en"},
+                    {"type": "gte", "key": "year", "value": 2021},
+                ],
+            },
+            [True, False, False, False],
+        ),
+        (
+            {
+                "type": "or",
+                "filters": [
+                    {"type": "eq", "key": "draft", "value": True},
+                    {"type": "and", "filters": [{"type": "lt", "key": "year", "value": 2021}]},
+                ],
+            },
+            [False, True, True, False],
+        ),
+    ],
+)
 def test_filters_follow_openai_shape(filter_json, expected):
     docs = [
         {"lang": "en", "year": 2024},
@@ -88,7 +111,9 @@ def test_filters_follow_openai_shape(filter_json, expected):
         {},
     ]
     parsed = TypeAdapter(AttributeFilter).validate_python(filter_json)
-    assert isinstance(parsed, CompoundFilter if filter_json["type"] in ("and", "or") else ComparisonFilter)
+    assert isinstance(
+        parsed, CompoundFilter if filter_json["type"] in ("and", "or") else ComparisonFilter
+    )
     assert [parsed.matches(d) for d in docs] == expected
 
 

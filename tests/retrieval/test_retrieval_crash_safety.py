@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 ROUNDS = 4
 
 # Shared by the writer subprocess and the checks below, so both agree on the sequence.
-OPS_SOURCE = '''
+OPS_SOURCE = """
 import numpy as np
 
 DIM = 16
@@ -49,9 +49,11 @@ def apply(coll, i):
                           attributes={"i": i})
     else:
         coll.delete_document(doc_id)
-'''
+"""
 
-WRITER_SOURCE = OPS_SOURCE + '''
+WRITER_SOURCE = (
+    OPS_SOURCE
+    + """
 import sys
 from pathlib import Path
 from retrieval.config import IndexConfig
@@ -63,14 +65,16 @@ store = CollectionStore(root, dimension=DIM)
 try:
     coll = store.get("crash")
 except CollectionNotFoundError:
-    coll = store.create("crash", index_config=IndexConfig(kind=kind, hnsw_m=8, compact_tombstone_ratio=0.2))
+    config = IndexConfig(kind=kind, hnsw_m=8, compact_tombstone_ratio=0.2)
+    coll = store.create("crash", index_config=config)
 print("ready", flush=True)
 i = start
 while True:
     apply(coll, i)
     print(f"ok {i}", flush=True)
     i += 1
-'''
+"""
+)
 
 ops: dict = {}
 exec(OPS_SOURCE, ops)
@@ -117,10 +121,14 @@ def test_sigkill_during_ingest_leaves_a_complete_earlier_state(kind, tmp_path):
     root = tmp_path / "store"
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     applied = 0
-    for round_ in range(ROUNDS):
+    for _ in range(ROUNDS):
         proc = subprocess.Popen(
             [sys.executable, "-c", WRITER_SOURCE, str(root), kind, str(applied)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=REPO,
         )
         try:
             first = proc.stdout.readline()

@@ -40,7 +40,12 @@ def test_shape_normalisation_and_similarity(encoder):
     np.testing.assert_allclose(np.linalg.norm(v, axis=1), 1.0, atol=1e-5)
     sim = v @ v.T
     assert sim[0, 1] > 0.6 and sim[2, 3] > 0.6
-    for related, unrelated in [((0, 1), (0, 2)), ((0, 1), (0, 4)), ((2, 3), (2, 0)), ((2, 3), (3, 4))]:
+    for related, unrelated in [
+        ((0, 1), (0, 2)),
+        ((0, 1), (0, 4)),
+        ((2, 3), (2, 0)),
+        ((2, 3), (3, 4)),
+    ]:
         assert sim[related] > sim[unrelated] + 0.3
 
 
@@ -76,7 +81,7 @@ def test_chunks_from_real_tokens_fit_the_encoder(encoder):
     config = ChunkingConfig(max_chunk_size_tokens=60, chunk_overlap_tokens=10)
     chunks = chunk_text(text, config, token_spans=encoder.token_spans)
     assert len(chunks) > 3
-    for chunk, count in zip(chunks, encoder.count_tokens([c.text for c in chunks])):
+    for chunk, count in zip(chunks, encoder.count_tokens([c.text for c in chunks]), strict=True):
         assert count == chunk.token_count + 2 <= 62
 
 

@@ -1,4 +1,4 @@
-"""Persistence: reload gives identical results; failed or interrupted saves leave the previous state."""
+"""Persistence: reloads give identical results; failed saves leave the previous state on disk."""
 
 from __future__ import annotations
 
@@ -20,19 +20,32 @@ DIM = 16
 
 
 def snapshot(coll: Collection, queries: np.ndarray) -> tuple:
-    results = [[(h.score, h.doc_id, h.chunk_id, h.chunk_index, h.text, h.source, h.attributes)
-                for h in coll.search(q, 8)] for q in queries]
+    results = [
+        [
+            (h.score, h.doc_id, h.chunk_id, h.chunk_index, h.text, h.source, h.attributes)
+            for h in coll.search(q, 8)
+        ]
+        for q in queries
+    ]
     return results, coll.list_documents(), coll.info(), coll.stats()
 
 
 @pytest.mark.parametrize("kind", ["flat", "hnsw"])
 def test_reload_gives_identical_results(kind, tmp_path, unit_vectors):
     store = CollectionStore(tmp_path, dimension=DIM)
-    coll = store.create("kb", metadata={"team": "search"},
-                        index_config=IndexConfig(kind=kind, hnsw_m=8, compact_tombstone_ratio=0.5))
+    coll = store.create(
+        "kb",
+        metadata={"team": "search"},
+        index_config=IndexConfig(kind=kind, hnsw_m=8, compact_tombstone_ratio=0.5),
+    )
     for d in range(12):
-        coll.add_document(f"file-{d}", [f"{d}:{c} {{braces}} é" for c in range(4)],
-                          unit_vectors(4, DIM), source=f"f{d}.md", attributes={"d": d, "x": 0.5})
+        coll.add_document(
+            f"file-{d}",
+            [f"{d}:{c} {{braces}} é" for c in range(4)],
+            unit_vectors(4, DIM),
+            source=f"f{d}.md",
+            attributes={"d": d, "x": 0.5},
+        )
     coll.delete_document("file-4")
     coll.delete_document("file-9")
     coll.update_attributes("file-1", {"lang": "de"})
@@ -116,13 +129,20 @@ def test_store_create_list_rename_delete(tmp_path, unit_vectors):
     with pytest.raises(CollectionNotFoundError):
         store.get("alpha")
     info = store.get("beta").info()
-    assert (info.name, info.metadata, info.object, info.status) == ("beta", {"owner": "you"}, "vector_store", "completed")
+    assert (info.name, info.metadata, info.object, info.status) == (
+        "beta",
+        {"owner": "you"},
+        "vector_store",
+        "completed",
+    )
     store.delete(b.id)
     assert not (tmp_path / b.id).exists()
     with pytest.raises(CollectionNotFoundError):
         store.delete(b.id)
     reopened = CollectionStore(tmp_path, dimension=DIM)
-    assert [(i.id, i.name, i.metadata) for i in reopened.list()] == [(a.id, "beta", {"owner": "you"})]
+    assert [(i.id, i.name, i.metadata) for i in reopened.list()] == [
+        (a.id, "beta", {"owner": "you"})
+    ]
     with pytest.raises(StorageCorruptError):
         CollectionStore(tmp_path, dimension=DIM + 1)
 

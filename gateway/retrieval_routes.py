@@ -1,0 +1,256 @@
+"""OpenAI's embeddings, files and vector stores routes, served by the retrieval deployments.
+
+A mixin of the ingress: each route parses and checks its input, calls the ``Retriever``
+or ``Embedder`` handle, and returns what they answer (already in OpenAI's shapes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from typing import Any, Awaitable
+
+import numpy as np
+from fastapi import Request
+from ray.serve.handle import DeploymentHandle
+from starlette.datastructures import UploadFile
+from starlette.responses import Response
+
+from gateway.errors import APIError, JSONBytesResponse, bad_request, model_not_found
+from gateway.http import app
+from gateway.protocol import read_json_body
+from retrieval.errors import RetrievalError
+
+# Uploaded documents may be far larger than a chat request.
+MAX_UPLOAD_BYTES = 64 * 1024 * 1024
+MAX_EMBEDDING_INPUTS = 2048
+
+STORE_FIELDS = {"name", "metadata", "file_ids", "chunking_strategy", "expires_after", "description"}
+STORE_UPDATE_FIELDS = {"name", "metadata", "expires_after"}
+STORE_FILE_FIELDS = {"file_id", "attributes", "chunking_strategy"}
+SEARCH_FIELDS = {"query", "max_num_results", "filters", "ranking_options", "rewrite_query"}
+EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "user"}
+
+
+async def call(awaitable: Awaitable[Any]) -> Any:
+    """Await a retrieval deployment, mapping its typed errors to OpenAI errors."""
+    try:
+        return await awaitable
+    except RetrievalError as exc:
+        raise APIError(exc.status, exc.message, type=exc.error_type, param=exc.param, code=exc.code) from None
+
+
+def check_fields(data: dict[str, Any], allowed: set[str]) -> None:
+    unknown = sorted(set(data) - allowed)
+    if unknown:
+        raise bad_request(f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0], code="unknown_parameter")
+
+
+def query_int(request: Request, name: str, default: int, lo: int, hi: int) -> int:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    if not raw.lstrip("-").isdigit() or not lo <= int(raw) <= hi:
+        raise bad_request(f"Invalid '{name}': expected an integer between {lo} and {hi}.", param=name, code="invalid_value")
+    return int(raw)
+
+
+def query_order(request: Request) -> str:
+    order = request.query_params.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise bad_request("Invalid 'order': expected 'asc' or 'desc'.", param="order", code="invalid_value")
+    return order
+
+
+class RetrievalRoutes:
+    """Routes over ``self._retriever`` and ``self._embedder`` (set by the ingress)."""
+
+    _retriever: DeploymentHandle | None
+    _embedder: DeploymentHandle | None
+    _embedding_model: str | None
+    _settings: Any
+
+    def _authorize(self, request: Request) -> None:  # provided by the ingress
+        raise NotImplementedError
+
+    def _retrieval(self) -> DeploymentHandle:
+        if self._retriever is None:
+            raise APIError(404, "Retrieval is not enabled on this gateway.", code="retrieval_disabled")
+        return self._retriever
+
+    async def _json(self, request: Request, allowed: set[str]) -> dict[str, Any]:
+        self._authorize(request)
+        data = await read_json_body(request, self._settings.max_request_bytes)
+        check_fields(data, allowed)
+        return data
+
+    # --- embeddings -------------------------------------------------------------------
+
+    @app.post("/v1/embeddings")
+    async def create_embeddings(self, request: Request) -> Response:
+        data = await self._json(request, EMBEDDING_FIELDS)
+        model = data.get("model")
+        if not isinstance(model, str) or not model:
+            raise bad_request("Missing required parameter: 'model'.", param="model", code="missing_required_parameter")
+        if self._embedder is None or model != self._embedding_model:
+            raise model_not_found(model)
+        inputs = _embedding_inputs(data.get("input"))
+        encoding = data.get("encoding_format", "float")
+        if encoding not in ("float", "base64"):
+            raise bad_request("Invalid 'encoding_format': expected 'float' or 'base64'.", param="encoding_format", code="invalid_value")
+        dimensions = data.get("dimensions")
+        if dimensions is not None and dimensions != 384:
+            raise bad_request(f"'dimensions' must be 384 for {model}.", param="dimensions", code="invalid_value")
+        # One call per input so the embedding deployment batches them with other requests.
+        calls = [
+            self._embedder.embed_tokens.remote(item, index=i) if isinstance(item, list) else self._embedder.embed.remote(item, index=i)
+            for i, item in enumerate(inputs)
+        ]
+        counts = self._embedder.count_tokens.remote([t for t in inputs if isinstance(t, str)])
+        vectors = await call(asyncio.gather(*calls))
+        tokens = sum(await counts) + sum(len(t) + 2 for t in inputs if isinstance(t, list))
+        data_out = [
+            {"object": "embedding", "index": i, "embedding": _encode(v, encoding)} for i, v in enumerate(vectors)
+        ]
+        return JSONBytesResponse({"object": "list", "data": data_out, "model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+    # --- files ------------------------------------------------------------------------
+
+    @app.post("/v1/files")
+    async def create_file(self, request: Request) -> Response:
+        self._authorize(request)
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > MAX_UPLOAD_BYTES + 65536:
+            raise APIError(413, f"Files larger than {MAX_UPLOAD_BYTES} bytes are not accepted.", code="request_too_large")
+        if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+            raise bad_request("Upload files as multipart/form-data with fields 'file' and 'purpose'.", param="file", code="invalid_value")
+        form = await request.form(max_files=1, max_fields=8, max_part_size=MAX_UPLOAD_BYTES)
+        upload, purpose = form.get("file"), form.get("purpose")
+        if not isinstance(upload, UploadFile):
+            raise bad_request("Missing required parameter: 'file'.", param="file", code="missing_required_parameter")
+        if not isinstance(purpose, str) or not purpose:
+            raise bad_request("Missing required parameter: 'purpose'.", param="purpose", code="missing_required_parameter")
+        content = await upload.read(MAX_UPLOAD_BYTES + 1)
+        if len(content) > MAX_UPLOAD_BYTES:
+            raise APIError(413, f"Files larger than {MAX_UPLOAD_BYTES} bytes are not accepted.", code="request_too_large")
+        return JSONBytesResponse(await call(self._retrieval().create_file.remote(upload.filename or "upload", content, purpose)))
+
+    @app.get("/v1/files")
+    async def list_files(self, request: Request) -> Response:
+        self._authorize(request)
+        page = self._retrieval().list_files.remote(
+            request.query_params.get("purpose"), query_int(request, "limit", 10000, 1, 10000), query_order(request), request.query_params.get("after")
+        )
+        return JSONBytesResponse(await call(page))
+
+    @app.get("/v1/files/{file_id}")
+    async def retrieve_file(self, file_id: str, request: Request) -> Response:
+        self._authorize(request)
+        return JSONBytesResponse(await call(self._retrieval().get_file.remote(file_id)))
+
+    @app.get("/v1/files/{file_id}/content")
+    async def file_content(self, file_id: str, request: Request) -> Response:
+        self._authorize(request)
+        content = await call(self._retrieval().get_file_content.remote(file_id))
+        return Response(content, media_type="application/octet-stream")
+
+    @app.delete("/v1/files/{file_id}")
+    async def delete_file(self, file_id: str, request: Request) -> Response:
+        self._authorize(request)
+        return JSONBytesResponse(await call(self._retrieval().delete_file.remote(file_id)))
+
+    # --- vector stores ------------------------------------------------------------------
+
+    @app.post("/v1/vector_stores")
+    async def create_vector_store(self, request: Request) -> Response:
+        data = await self._json(request, STORE_FIELDS)
+        store = self._retrieval().create_store.remote(data.get("name"), data.get("metadata"), data.get("file_ids"), data.get("chunking_strategy"))
+        return JSONBytesResponse(await call(store))
+
+    @app.get("/v1/vector_stores")
+    async def list_vector_stores(self, request: Request) -> Response:
+        self._authorize(request)
+        q = request.query_params
+        page = self._retrieval().list_stores.remote(query_int(request, "limit", 20, 1, 100), query_order(request), q.get("after"), q.get("before"))
+        return JSONBytesResponse(await call(page))
+
+    @app.get("/v1/vector_stores/{store_id}")
+    async def retrieve_vector_store(self, store_id: str, request: Request) -> Response:
+        self._authorize(request)
+        return JSONBytesResponse(await call(self._retrieval().get_store.remote(store_id)))
+
+    @app.post("/v1/vector_stores/{store_id}")
+    async def modify_vector_store(self, store_id: str, request: Request) -> Response:
+        data = await self._json(request, STORE_UPDATE_FIELDS)
+        return JSONBytesResponse(await call(self._retrieval().modify_store.remote(store_id, data.get("name"), data.get("metadata"))))
+
+    @app.delete("/v1/vector_stores/{store_id}")
+    async def delete_vector_store(self, store_id: str, request: Request) -> Response:
+        self._authorize(request)
+        return JSONBytesResponse(await call(self._retrieval().delete_store.remote(store_id)))
+
+    @app.post("/v1/vector_stores/{store_id}/files")
+    async def create_vector_store_file(self, store_id: str, request: Request) -> Response:
+        data = await self._json(request, STORE_FILE_FIELDS)
+        if not isinstance(data.get("file_id"), str):
+            raise bad_request("Missing required parameter: 'file_id'.", param="file_id", code="missing_required_parameter")
+        added = self._retrieval().add_file_to_store.remote(store_id, data["file_id"], data.get("attributes"), data.get("chunking_strategy"))
+        return JSONBytesResponse(await call(added))
+
+    @app.get("/v1/vector_stores/{store_id}/files")
+    async def list_vector_store_files(self, store_id: str, request: Request) -> Response:
+        self._authorize(request)
+        q = request.query_params
+        page = self._retrieval().list_store_files.remote(
+            store_id, query_int(request, "limit", 20, 1, 100), query_order(request), q.get("after"), q.get("before"), q.get("filter")
+        )
+        return JSONBytesResponse(await call(page))
+
+    @app.get("/v1/vector_stores/{store_id}/files/{file_id}")
+    async def retrieve_vector_store_file(self, store_id: str, file_id: str, request: Request) -> Response:
+        self._authorize(request)
+        return JSONBytesResponse(await call(self._retrieval().get_store_file.remote(store_id, file_id)))
+
+    @app.delete("/v1/vector_stores/{store_id}/files/{file_id}")
+    async def delete_vector_store_file(self, store_id: str, file_id: str, request: Request) -> Response:
+        self._authorize(request)
+        return JSONBytesResponse(await call(self._retrieval().delete_store_file.remote(store_id, file_id)))
+
+    @app.post("/v1/vector_stores/{store_id}/search")
+    async def search_vector_store(self, store_id: str, request: Request) -> Response:
+        data = await self._json(request, SEARCH_FIELDS)
+        if "query" not in data:
+            raise bad_request("Missing required parameter: 'query'.", param="query", code="missing_required_parameter")
+        page = self._retrieval().search.remote(
+            store_id, data["query"], data.get("max_num_results", 10), data.get("filters"), data.get("ranking_options"), bool(data.get("rewrite_query", False))
+        )
+        return JSONBytesResponse(await call(page))
+
+
+def _embedding_inputs(value: Any) -> list[str | list[int]]:
+    """OpenAI's input forms: a string, strings, a token array, or token arrays."""
+    if isinstance(value, str):
+        items: list[Any] = [value]
+    elif isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        items = [value]
+    elif isinstance(value, list):
+        items = value
+    else:
+        raise bad_request("'input' must be a string, an array of strings, or token arrays.", param="input", code="invalid_value")
+    if not items:
+        raise bad_request("'input' must not be empty.", param="input", code="invalid_value")
+    if len(items) > MAX_EMBEDDING_INPUTS:
+        raise bad_request(f"'input' may hold at most {MAX_EMBEDDING_INPUTS} items.", param="input", code="invalid_value")
+    for i, item in enumerate(items):
+        ok = (isinstance(item, str) and item != "") or (
+            isinstance(item, list) and item and all(isinstance(t, int) and not isinstance(t, bool) for t in item)
+        )
+        if not ok:
+            raise bad_request(f"'input[{i}]' must be a non-empty string or token array.", param="input", code="invalid_value")
+    return items
+
+
+def _encode(vector: np.ndarray, encoding: str) -> list[float] | str:
+    if encoding == "base64":
+        return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
+    return np.asarray(vector, dtype=np.float32).tolist()

@@ -1,0 +1,162 @@
+"""The guardrails deployment: input rails run by Ray Serve, scaled apart from the engines.
+
+The ingress sends the texts of a request (and, separately, retrieved passages) with the
+model's current policy; this deployment embeds what the rails need through the shared
+embedding deployment (batched there), runs the rails in order, and returns typed
+decisions. Rail outcomes and rail errors are exported as Prometheus counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from guardrails.config import GuardrailPolicy, InjectionDetectorKind
+from guardrails.detectors.injection import DEFAULT_ARTIFACT, InjectionClassifier, InjectionScorer, embedding_chunks
+from guardrails.detectors.topics import TopicMatcher
+from guardrails.input_rail import InputGuard
+from guardrails.metrics import RailMetrics
+from guardrails.verdict import PolicyCode, Verdict
+
+logger = logging.getLogger(__name__)
+
+
+class ExportedRailMetrics(RailMetrics):
+    """RailMetrics that also increments Ray's Prometheus counters
+    (``ray_gateway_guardrail_verdicts_total`` and ``ray_gateway_guardrail_errors_total``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from ray.serve.metrics import Counter
+
+        self._verdicts = Counter("gateway_guardrail_verdicts", description="Guardrail verdicts by rail and outcome.", tag_keys=("rail", "outcome"))
+        self._errors = Counter("gateway_guardrail_errors", description="Exceptions raised inside guardrails.", tag_keys=("rail",))
+
+    def record_verdict(self, verdict: Verdict) -> None:
+        super().record_verdict(verdict)
+        self._verdicts.inc(tags={"rail": verdict.rail, "outcome": verdict.action.value})
+
+    def record_error(self, rail: str) -> None:
+        super().record_error(rail)
+        self._errors.inc(tags={"rail": rail})
+
+
+@dataclass(frozen=True)
+class InputDecision:
+    """The input rails' answer for one request.
+
+    ``verdict`` is blocked (refuse the request), redacted (use ``texts``) or allowed.
+    ``texts`` holds every checked text, rewritten where a rail redacted it.
+    """
+
+    verdict: Verdict
+    texts: list[str] = field(default_factory=list)
+
+
+@serve.deployment(name="Guardrails", max_ongoing_requests=256, ray_actor_options={"num_cpus": 0.25})
+class Guardrails:
+    """Runs a model's input rails. Collaborators: the embedding deployment's handle."""
+
+    def __init__(self, embedder: DeploymentHandle | None, classifier_path: str | None = None):
+        self._embedder = embedder
+        self._classifier_path = classifier_path or str(DEFAULT_ARTIFACT)
+        self._classifier = InjectionClassifier.load(self._classifier_path)
+        self._hf_scorers: dict[str, InjectionScorer] = {}
+        self._topics: dict[str, TopicMatcher] = {}
+        self._guards: dict[str, tuple[GuardrailPolicy, InputGuard]] = {}
+        self.metrics = ExportedRailMetrics()
+
+    async def check_input(self, model_id: str, policy: GuardrailPolicy, texts: Sequence[str], all_texts: Sequence[str]) -> InputDecision:
+        """Limits over ``all_texts`` (every message), then PII, injection and denied topics
+        on each of ``texts`` (what users and tools wrote)."""
+        guard = await self._guard(model_id, policy)
+        limits = guard.check_request(list(all_texts))
+        if limits.blocked:
+            return InputDecision(limits, list(texts))
+        verdicts = await self._check_each(guard, texts)
+        blocked = next((v for v in verdicts if v.blocked), None)
+        if blocked is not None:
+            return InputDecision(blocked, list(texts))
+        rewritten = [v.text if v.redacted and v.text is not None else t for v, t in zip(verdicts, texts)]
+        redacted = next((v for v in verdicts if v.redacted), None)
+        return InputDecision(redacted or Verdict.allow("guardrails"), rewritten)
+
+    async def check_passages(self, model_id: str, policy: GuardrailPolicy, passages: Sequence[str]) -> list[Verdict]:
+        """Retrieved passages go through the same rails: an instruction planted in a document
+        must not reach the model unchecked. One verdict per passage."""
+        guard = await self._guard(model_id, policy)
+        return await self._check_each(guard, passages)
+
+    def counters(self) -> dict[str, int]:
+        """Rail outcome counters, ``rail/outcome`` -> count (for tests and /metrics readers)."""
+        return {f"{rail}/{outcome}": n for (rail, outcome), n in self.metrics.snapshot().items()}
+
+    # --- internals ----------------------------------------------------------------
+
+    async def _check_each(self, guard: InputGuard, texts: Sequence[str]) -> list[Verdict]:
+        if not texts:
+            return []
+        embeddings: list[np.ndarray | None] = [None] * len(texts)
+        if guard.needs_embedding:
+            try:
+                embeddings = await self._embed_chunked(texts)
+            except Exception as exc:  # embedding service down: the rails that need it fail closed
+                guard.metrics.record_error("embedding")
+                logger.error("embedding for guardrails failed: %s", type(exc).__name__)
+                if not guard.policy.fail_open:
+                    return [Verdict.block("embedding", PolicyCode.RAIL_ERROR, "embedding service unavailable")] * len(texts)
+        # Rails are microseconds of regex and one matrix-vector product: no thread needed.
+        return [guard.check_text(t, e) for t, e in zip(texts, embeddings)]
+
+    async def _embed(self, texts: Sequence[str]) -> list[np.ndarray]:
+        # One call per text so the embedding deployment's @serve.batch can group them.
+        # truncate: a chunk of ~1000 characters of code can exceed the 256-token window.
+        return list(await asyncio.gather(*(self._embedder.embed.remote(t, truncate=True) for t in texts)))
+
+    async def _embed_chunked(self, texts: Sequence[str]) -> list[np.ndarray]:
+        if self._embedder is None:
+            raise RuntimeError("no embedding deployment configured")
+        pieces = [embedding_chunks(t) for t in texts]
+        flat = await self._embed([p for ps in pieces for p in ps])
+        out, row = [], 0
+        for ps in pieces:
+            out.append(np.stack(flat[row : row + len(ps)]))
+            row += len(ps)
+        return out
+
+    async def _guard(self, model_id: str, policy: GuardrailPolicy) -> InputGuard:
+        cached = self._guards.get(model_id)
+        if cached is not None and cached[0] == policy:
+            return cached[1]
+        topics = None
+        if policy.enabled and policy.denied_topics.topics:
+            key = policy.denied_topics.model_dump_json()
+            if key not in self._topics:
+                descriptions = TopicMatcher.descriptions(policy.denied_topics)
+                vectors = np.stack(await self._embed(descriptions))
+                self._topics[key] = TopicMatcher.from_policy(policy.denied_topics, vectors)
+            topics = self._topics[key]
+        guard = InputGuard(policy, injection_scorer=self._scorer(policy), topics=topics, metrics=self.metrics)
+        self._guards[model_id] = (policy, guard)
+        return guard
+
+    def _scorer(self, policy: GuardrailPolicy) -> InjectionScorer | None:
+        injection = policy.injection
+        if not injection.enabled:
+            return None
+        if injection.detector is InjectionDetectorKind.HF_SEQUENCE_CLASSIFIER:
+            path = injection.hf.model_path
+            if path not in self._hf_scorers:
+                from guardrails.detectors.injection_hf import HfInjectionClassifier
+
+                self._hf_scorers[path] = HfInjectionClassifier(injection.hf)
+            return self._hf_scorers[path]
+        if injection.classifier_path and injection.classifier_path != self._classifier_path:
+            return InjectionClassifier.load(injection.classifier_path)
+        return self._classifier

@@ -1,0 +1,247 @@
+"""The embedding deployment: one SentenceEncoder per replica behind Ray Serve's ``@serve.batch``.
+
+Callers submit one input per ``handle.embed.remote(text)`` and gather the responses; Serve's
+batch queue groups concurrent inputs into one forward pass. Each input is tokenized and checked
+against the model's limit *before* it joins the queue, so one over-long input fails alone (a
+typed InputTooLongError) instead of failing everybody's batch, and the token count it carries
+lets ``batch_size_fn`` bound a batch by tokens as well as by inputs.
+
+The forward pass runs in a worker thread (``asyncio.to_thread``): the replica's event loop keeps
+accepting and queueing requests while a batch computes, so the next batch is ready to go.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from ray import serve
+
+from retrieval.config import EmbeddingModelConfig
+from retrieval.encoder import DEFAULT_MODEL_NAME, SentenceEncoder
+from retrieval.errors import InputTooLongError, InvalidInputError
+
+logger = logging.getLogger(__name__)
+
+# Texts longer than this are tokenized in a worker thread rather than on the event loop
+# (a sentence takes ~0.1 ms to tokenize; a megabyte would stall every queued request).
+_INLINE_TOKENIZE_CHARS = 4096
+
+# Names of the metrics @serve.batch exports (Prometheus adds a ``ray_`` prefix).
+SERVE_BATCH_METRICS = (
+    "serve_batch_wait_time_ms",
+    "serve_batch_execution_time_ms",
+    "serve_batch_queue_length",
+    "serve_batch_utilization_percent",
+    "serve_actual_batch_size",
+    "serve_batches_processed",
+)
+
+
+@dataclass(slots=True)
+class _Input:
+    """One queued input: token ids with special tokens, and when it joined the queue."""
+
+    ids: list[int]
+    queued_at: float
+
+
+def batch_budget(config: EmbeddingModelConfig) -> tuple[int, Callable[[list], int] | None]:
+    """``(max_batch_size, batch_size_fn)`` for ``serve.batch`` from the config.
+
+    Serve compares one number, ``batch_size_fn(batch)``, with ``max_batch_size``. When the token
+    budget can never bind (``max_batch_size * max_tokens <= max_batch_tokens``, true of the
+    defaults) plain counting is used, and Serve's batch metrics stay in inputs. Otherwise the
+    measure is ``max(tokens, ceil(inputs * max_batch_tokens / max_batch_size))`` against
+    ``max_batch_tokens``: it stays within budget exactly when both the token sum and the input
+    count do; Serve's ``serve_actual_batch_size`` is then in token-budget units, and
+    ``Embedder.batch_stats`` still reports inputs.
+    """
+    if config.max_batch_size * config.max_tokens <= config.max_batch_tokens:
+        return config.max_batch_size, None
+    budget, per_input = config.max_batch_tokens, config.max_batch_tokens / config.max_batch_size
+
+    def size(items: list[_Input]) -> int:
+        return max(sum(len(i.ids) for i in items), math.ceil(len(items) * per_input))
+
+    return budget, size
+
+
+class BatchStats:
+    """What the batch function saw: batch sizes, queue waits, time spent encoding.
+
+    Kept by the deployment itself because Ray's metrics (``SERVE_BATCH_METRICS``) need a
+    Prometheus scrape to read back, and a benchmark or test wants the numbers directly.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        with self._lock:
+            self._sizes: Counter[int] = Counter()
+            self._inputs = 0
+            self._tokens = 0
+            self._wait_s = 0.0
+            self._busy_s = 0.0
+            self._first_start: float | None = None
+            self._last_end: float | None = None
+
+    def record(self, items: Sequence[_Input], started: float, ended: float) -> None:
+        with self._lock:
+            self._sizes[len(items)] += 1
+            self._inputs += len(items)
+            self._tokens += sum(len(i.ids) for i in items)
+            self._wait_s += sum(started - i.queued_at for i in items)
+            self._busy_s += ended - started
+            if self._first_start is None:
+                self._first_start = started
+            self._last_end = ended
+
+    def snapshot(self, max_batch_size: int) -> dict:
+        with self._lock:
+            batches = sum(self._sizes.values())
+            span = (
+                self._last_end - self._first_start
+                if self._first_start is not None and self._last_end is not None
+                else 0.0
+            )
+            return {
+                "batches": batches,
+                "inputs": self._inputs,
+                "tokens": self._tokens,
+                "batch_size_histogram": dict(sorted(self._sizes.items())),
+                "mean_batch_size": self._inputs / batches if batches else 0.0,
+                "max_batch_size": max_batch_size,
+                "mean_fill": self._inputs / batches / max_batch_size if batches else 0.0,
+                "mean_wait_ms": 1000 * self._wait_s / self._inputs if self._inputs else 0.0,
+                "mean_encode_ms": 1000 * self._busy_s / batches if batches else 0.0,
+                # Share of the time from the first batch's start to the last one's end that the
+                # encoder was busy: near 1 under load means the replica is saturated.
+                "utilisation": self._busy_s / span if span > 0 else 0.0,
+                "prometheus_metrics": list(SERVE_BATCH_METRICS),
+            }
+
+
+# OpenMP threads that spin while waiting collapse torch when another process holds a core
+# (measured here: 2 threads on 2 busy cores fell from ~180 to ~30 sentences/s at batch 32);
+# passive waiting costs nothing visible. It must be set before torch loads, hence the env.
+OMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+@serve.deployment(
+    name="Embedder",
+    max_ongoing_requests=256,
+    ray_actor_options={"runtime_env": {"env_vars": OMP_ENV}},
+)
+class Embedder:
+    """Sentence embeddings with dynamic batching.
+
+    ``max_ongoing_requests`` must stay well above ``max_batch_size * max_concurrent_batches``:
+    requests beyond it wait in the caller's router and never reach the batch queue (Serve's
+    default of 5 would cap every batch at 5). Overriding ``ray_actor_options`` replaces the
+    default's ``runtime_env``: keep ``OMP_ENV`` in it.
+    """
+
+    def __init__(self, config: EmbeddingModelConfig) -> None:
+        self._config = config
+        self._encoder = SentenceEncoder.from_config(config)
+        self._stats = BatchStats()
+        max_batch_size, size_fn = batch_budget(config)
+        # Built per instance (not a class decorator) so that every serve.batch option, including
+        # max_concurrent_batches and batch_size_fn, comes from this replica's config.
+        self._batched = serve.batch(
+            max_batch_size=max_batch_size,
+            batch_wait_timeout_s=config.batch_wait_timeout_s,
+            max_concurrent_batches=config.max_concurrent_batches,
+            batch_size_fn=size_fn,
+        )(self._encode_batch)
+        logger.info(
+            "embedder ready: %s dim=%d max_tokens=%d max_batch_size=%d token_budget=%s",
+            self._encoder.model_path,
+            self._encoder.dimension,
+            self._encoder.max_tokens,
+            config.max_batch_size,
+            config.max_batch_tokens if size_fn else "unbounded",
+        )
+
+    async def embed(
+        self, text: str, *, truncate: bool | None = None, index: int = 0
+    ) -> np.ndarray:
+        """The float32 vector (dimension,) of one text, L2-normalised.
+
+        ``truncate`` overrides the config's; without truncation an over-long text raises
+        InputTooLongError naming ``index`` (the caller's position of this input in its request).
+        """
+        if not isinstance(text, str):
+            raise InvalidInputError("input must be a string", param="input")
+        cut = self._config.truncate if truncate is None else truncate
+        if len(text) > _INLINE_TOKENIZE_CHARS:
+            ids = await asyncio.to_thread(self._encoder.token_ids, text, truncate=cut)
+        else:
+            ids = self._encoder.token_ids(text, truncate=cut)
+        self._check_length(len(ids), index)
+        return await self._batched(_Input(ids, time.perf_counter()))
+
+    async def embed_tokens(
+        self, ids: list[int], *, truncate: bool | None = None, index: int = 0
+    ) -> np.ndarray:
+        """The vector of one input given as token ids of this model's vocabulary.
+
+        The ids are the text's own tokens: special tokens ([CLS], [SEP]) are added here and count
+        towards ``max_tokens``.
+        """
+        vocab = self._encoder.vocab_size
+        if isinstance(ids, (str, bytes)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids
+        ):
+            raise InvalidInputError(
+                f"token ids must be integers in [0, {vocab})", param="input"
+            )
+        wrapped = self._encoder.with_special_tokens(ids)
+        excess = len(wrapped) - self._encoder.max_tokens
+        if excess > 0 and (self._config.truncate if truncate is None else truncate):
+            wrapped = self._encoder.with_special_tokens(list(ids)[: len(ids) - excess])
+        self._check_length(len(wrapped), index)
+        return await self._batched(_Input(wrapped, time.perf_counter()))
+
+    async def count_tokens(self, texts: list[str]) -> list[int]:
+        """Token count of each text, special tokens included (what ``max_tokens`` limits)."""
+        return await asyncio.to_thread(self._encoder.count_tokens, texts)
+
+    def info(self) -> dict:
+        """Model name and path, vector dimension and per-input token limit."""
+        path = self._config.model_path
+        return {
+            "model": path.name if path is not None else DEFAULT_MODEL_NAME,
+            "model_path": str(self._encoder.model_path),
+            "dimension": self._encoder.dimension,
+            "max_tokens": self._encoder.max_tokens,
+            "truncate": self._config.truncate,
+        }
+
+    def batch_stats(self) -> dict:
+        """Observed batching since start or the last ``reset_batch_stats`` (see BatchStats)."""
+        return self._stats.snapshot(self._config.max_batch_size)
+
+    def reset_batch_stats(self) -> None:
+        self._stats.reset()
+
+    def _check_length(self, count: int, index: int) -> None:
+        if count > self._encoder.max_tokens:
+            raise InputTooLongError(index, count, self._encoder.max_tokens)
+
+    async def _encode_batch(self, items: list[_Input]) -> list[np.ndarray]:
+        started = time.perf_counter()
+        vectors = await asyncio.to_thread(self._encoder.encode_ids, [i.ids for i in items])
+        self._stats.record(items, started, time.perf_counter())
+        # Copies: a row view would keep the whole batch array alive in every response.
+        return [row.copy() for row in vectors]

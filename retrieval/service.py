@@ -1,0 +1,521 @@
+"""The retrieval deployment: OpenAI's files and vector stores API, and the chat path's retrieval.
+
+``Retriever`` owns the on-disk state (uploaded files, collections, failed-ingest records under
+``RetrievalConfig.storage_dir``) and asks the ``Embedder`` deployment for vectors, one input per
+``handle.remote()`` call gathered together, so that Serve batches them. Every public method
+returns OpenAI-shaped dicts (see ``retrieval.openai_objects``) or, for ``retrieve``, typed
+``Passage`` records, and raises ``retrieval.errors`` types that carry their HTTP status.
+
+Ingestion is synchronous: ``add_file_to_store`` answers once the file is indexed (``completed``)
+or has failed (``failed`` with ``last_error``), never ``in_progress``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, get_args
+
+import numpy as np
+from pydantic import TypeAdapter, ValidationError
+from ray import serve
+from ray.serve.handle import DeploymentHandle, DeploymentResponse
+
+from retrieval.collection import Collection
+from retrieval.config import SPECIAL_TOKENS_PER_INPUT, ChunkingConfig, RetrievalConfig
+from retrieval.embedding_deployment import Embedder
+from retrieval.encoder import DocumentTokenizer
+from retrieval.errors import (
+    CollectionNotFoundError,
+    DocumentExistsError,
+    DocumentNotFoundError,
+    InvalidInputError,
+)
+from retrieval.files import FilePurpose, FileStore
+from retrieval.filters import AttributeFilter
+from retrieval.ingest import (
+    ChunkTokens,
+    FailedFile,
+    FailedFiles,
+    IngestFailure,
+    chunking_from_strategy,
+    decode_document,
+    split_document,
+)
+from retrieval import openai_objects as oai
+from retrieval.records import Hit, Passage, validate_attributes
+from retrieval.store import CollectionStore
+
+logger = logging.getLogger(__name__)
+
+_FILTER = TypeAdapter(AttributeFilter)
+_PURPOSES = set(get_args(FilePurpose))
+_RANKERS = {"none", "auto", "default-2024-11-15"}
+_FILE_STATUSES = {"in_progress", "completed", "failed", "cancelled"}
+MAX_SEARCH_RESULTS = 50
+
+
+# One replica, always: the stores keep their state in memory and commit it to files that only
+# this process writes. A second replica would load its own copy, miss the first one's writes
+# and overwrite its manifests. Scale the Embedder instead; searches here take milliseconds.
+@serve.deployment(name="Retriever", num_replicas=1, max_ongoing_requests=64)
+class Retriever:
+    """Vector stores, uploaded files and search, on disk under ``config.storage_dir``."""
+
+    async def __init__(self, embedder: DeploymentHandle, config: RetrievalConfig) -> None:
+        self._embedder = embedder
+        self._config = config
+        info = await embedder.info.remote()
+        self._chunk_limit = info["max_tokens"] - SPECIAL_TOKENS_PER_INPUT
+        if config.chunking.max_chunk_size_tokens > self._chunk_limit:
+            raise InvalidInputError(
+                f"chunking.max_chunk_size_tokens ({config.chunking.max_chunk_size_tokens}) exceeds "
+                f"what the embedding model takes ({self._chunk_limit} + special tokens)"
+            )
+        root = Path(config.storage_dir)
+
+        def open_storage() -> tuple:
+            # The Embedder's tokenizer (same folder), so chunk token counts are the model's.
+            tokenizer = DocumentTokenizer(info["model_path"])
+            stores = CollectionStore(
+                root / "vector_stores",
+                dimension=info["dimension"],
+                default_index=config.index,
+                unique_names=False,  # OpenAI allows duplicate names; see CollectionStore
+            )
+            return tokenizer, stores, FileStore(root / "files"), FailedFiles(root / "failed.json")
+
+        self._tokenizer, self._stores, self._files, self._failed = await asyncio.to_thread(
+            open_storage
+        )
+        # (store id, file id) pairs being ingested: a second add of the same pair is a 409.
+        self._ingesting: set[tuple[str, str]] = set()
+        logger.info("retriever ready: %s, embedding model %s", root, info["model"])
+
+    # --- vector stores ------------------------------------------------------------------
+
+    async def create_store(
+        self,
+        name: str | None = None,
+        metadata: dict[str, str] | None = None,
+        file_ids: list[str] | None = None,
+        chunking_strategy: dict | None = None,
+    ) -> dict[str, Any]:
+        """Create a vector store and index ``file_ids`` into it before answering."""
+        file_ids = _string_list(file_ids or [], "file_ids")
+        uploads = [self._files.get(f) for f in dict.fromkeys(file_ids)]  # 404 before creating
+        chunking = self._chunking(chunking_strategy)
+        coll = await asyncio.to_thread(self._stores.create, name, metadata=metadata)
+        await asyncio.gather(*(self._ingest(coll, u.id, u.filename, {}, chunking) for u in uploads))
+        return self._store_object(coll)
+
+    async def list_stores(
+        self,
+        limit: int = 20,
+        order: oai.Order = "desc",
+        after: str | None = None,
+        before: str | None = None,
+    ) -> dict[str, Any]:
+        infos = self._stores.list()
+        return oai.page(
+            infos,
+            item_id=lambda i: i.id,
+            render=lambda i: oai.vector_store(i, self._failed.count(i.id)),
+            limit=limit,
+            order=order,
+            after=after,
+            before=before,
+        )
+
+    async def get_store(self, store_id: str) -> dict[str, Any]:
+        return self._store_object(self._store(store_id))
+
+    async def modify_store(
+        self, store_id: str, name: str | None = None, metadata: dict[str, str] | None = None
+    ) -> dict[str, Any]:
+        coll = self._store(store_id)
+        info = await asyncio.to_thread(self._stores.update, coll.id, name=name, metadata=metadata)
+        return oai.vector_store(info, self._failed.count(coll.id))
+
+    async def delete_store(self, store_id: str) -> dict[str, Any]:
+        coll = self._store(store_id)
+        await asyncio.to_thread(self._stores.delete, coll.id)
+        await asyncio.to_thread(self._failed.discard_store, coll.id)
+        return oai.deleted("vector_store.deleted", coll.id)
+
+    # --- files --------------------------------------------------------------------------
+
+    async def create_file(
+        self, filename: str, content: bytes, purpose: str = "assistants"
+    ) -> dict[str, Any]:
+        if purpose not in _PURPOSES:
+            raise InvalidInputError(
+                f"purpose must be one of {sorted(_PURPOSES)}", param="purpose"
+            )
+        if not isinstance(content, (bytes, bytearray)):
+            raise InvalidInputError("file content must be bytes", param="file")
+        stored = await asyncio.to_thread(self._files.create, filename, bytes(content), purpose)
+        return oai.file_object(stored)
+
+    async def list_files(
+        self,
+        purpose: str | None = None,
+        limit: int = 10000,
+        order: oai.Order = "desc",
+        after: str | None = None,
+    ) -> dict[str, Any]:
+        if purpose is not None and purpose not in _PURPOSES:
+            raise InvalidInputError(f"purpose must be one of {sorted(_PURPOSES)}", param="purpose")
+        return oai.page(
+            self._files.list(purpose),  # type: ignore[arg-type]
+            item_id=lambda f: f.id,
+            render=oai.file_object,
+            limit=limit,
+            order=order,
+            after=after,
+            max_limit=10000,
+        )
+
+    async def get_file(self, file_id: str) -> dict[str, Any]:
+        return oai.file_object(self._files.get(file_id))
+
+    async def get_file_content(self, file_id: str) -> bytes:
+        return await asyncio.to_thread(self._files.read, file_id)
+
+    async def delete_file(self, file_id: str) -> dict[str, Any]:
+        """Delete an upload and remove it from every vector store that indexed it."""
+        self._files.get(file_id)
+
+        def remove_everywhere() -> None:
+            for info in self._stores.list():
+                try:
+                    self._stores.get(info.id).delete_document(file_id)
+                except (CollectionNotFoundError, DocumentNotFoundError):
+                    pass
+            self._failed.discard_file(file_id)
+            self._files.delete(file_id)
+
+        await asyncio.to_thread(remove_everywhere)
+        return oai.deleted("file", file_id)
+
+    # --- vector store files -------------------------------------------------------------
+
+    async def add_file_to_store(
+        self,
+        store_id: str,
+        file_id: str,
+        attributes: dict | None = None,
+        chunking_strategy: dict | None = None,
+    ) -> dict[str, Any]:
+        """Index an uploaded file into a store; answers ``completed`` or ``failed``."""
+        coll = self._store(store_id)
+        upload = self._files.get(file_id)
+        attrs = validate_attributes(attributes)
+        chunking = self._chunking(chunking_strategy)
+        return await self._ingest(coll, upload.id, upload.filename, attrs, chunking)
+
+    async def list_store_files(
+        self,
+        store_id: str,
+        limit: int = 20,
+        order: oai.Order = "desc",
+        after: str | None = None,
+        before: str | None = None,
+        filter: str | None = None,
+    ) -> dict[str, Any]:
+        if filter is not None and filter not in _FILE_STATUSES:
+            raise InvalidInputError(f"filter must be one of {sorted(_FILE_STATUSES)}", param="filter")
+        coll = self._store(store_id)
+        objects = [oai.vector_store_file(coll.id, d) for d in coll.list_documents()]
+        objects += [oai.failed_vector_store_file(coll.id, f) for f in self._failed.list(coll.id)]
+        objects = [o for o in objects if filter is None or o["status"] == filter]
+        objects.sort(key=lambda o: (o["created_at"], o["id"]))
+        return oai.page(
+            objects,
+            item_id=lambda o: o["id"],
+            render=lambda o: o,
+            limit=limit,
+            order=order,
+            after=after,
+            before=before,
+        )
+
+    async def get_store_file(self, store_id: str, file_id: str) -> dict[str, Any]:
+        coll = self._store(store_id)
+        failed = self._failed.get(coll.id, file_id)
+        if failed is not None:
+            return oai.failed_vector_store_file(coll.id, failed)
+        return oai.vector_store_file(coll.id, coll.get_document(file_id))
+
+    async def update_store_file(
+        self, store_id: str, file_id: str, attributes: dict | None
+    ) -> dict[str, Any]:
+        """Replace an indexed file's attributes."""
+        coll = self._store(store_id)
+        doc = await asyncio.to_thread(coll.update_attributes, file_id, attributes)
+        return oai.vector_store_file(coll.id, doc)
+
+    async def get_store_file_content(self, store_id: str, file_id: str) -> dict[str, Any]:
+        """The file's chunks, in order (``vector_store.file_content.page``)."""
+        coll = self._store(store_id)
+        if self._failed.get(coll.id, file_id) is not None:
+            return oai.file_content_page([])
+        return oai.file_content_page(coll.document_chunks(file_id))
+
+    async def delete_store_file(self, store_id: str, file_id: str) -> dict[str, Any]:
+        """Remove a file from a store (its chunks leave search); the upload itself stays."""
+        coll = self._store(store_id)
+        if not await asyncio.to_thread(self._failed.discard, coll.id, file_id):
+            await asyncio.to_thread(coll.delete_document, file_id)
+        return oai.deleted("vector_store.file.deleted", file_id)
+
+    # --- search -------------------------------------------------------------------------
+
+    async def search(
+        self,
+        store_id: str,
+        query: str | list[str],
+        max_num_results: int = 10,
+        filters: dict | None = None,
+        ranking_options: dict | None = None,
+        rewrite_query: bool = False,
+    ) -> dict[str, Any]:
+        """OpenAI's vector store search: best chunks first, scores clamped to [0, 1].
+
+        Several queries are searched separately and merged, a chunk keeping its best score.
+        ``rewrite_query`` is accepted and ignored (``search_query`` echoes the queries as
+        given), and so is ``ranking_options.ranker``: there is no re-ranker.
+        """
+        coll = self._store(store_id)
+        queries = [query] if isinstance(query, str) else _string_list(query, "query")
+        if not queries or not all(q.strip() for q in queries):
+            raise InvalidInputError("query must be a non-empty string or list of them", param="query")
+        if (
+            not isinstance(max_num_results, int)
+            or isinstance(max_num_results, bool)
+            or not 1 <= max_num_results <= MAX_SEARCH_RESULTS
+        ):
+            raise InvalidInputError(
+                f"max_num_results must be between 1 and {MAX_SEARCH_RESULTS}",
+                param="max_num_results",
+            )
+        attr_filter = _parse_filter(filters)
+        min_score = _score_threshold(ranking_options)
+        vectors = await _gather(
+            [self._embedder.embed.remote(q, truncate=True) for q in queries]
+        )
+
+        def run() -> list[Hit]:
+            best: dict[int, Hit] = {}
+            for vector in vectors:
+                for hit in coll.search(vector, max_num_results, min_score, attr_filter):
+                    if hit.chunk_id not in best or hit.score > best[hit.chunk_id].score:
+                        best[hit.chunk_id] = hit
+            ranked = sorted(best.values(), key=lambda h: (-h.score, h.doc_id, h.chunk_index))
+            return ranked[:max_num_results]
+
+        hits = await asyncio.to_thread(run)
+        return oai.search_results_page(queries, hits)
+
+    async def retrieve(
+        self, collections: list[str], query: str, top_k: int, min_score: float | None = None
+    ) -> list[Passage]:
+        """The chat path's retrieval: the ``top_k`` best chunks across ``collections``.
+
+        Collections are named by id or name (a duplicated name means its latest store). Scores
+        are raw cosine similarities, which ``min_score`` is compared with. The query is
+        truncated to the model's window rather than refused. Ties are broken by store id, file
+        id and chunk position, so the same state always gives the same passages in the same
+        order.
+        """
+        if not isinstance(query, str) or not query.strip():
+            raise InvalidInputError("the retrieval query is empty", param="messages")
+        if not isinstance(top_k, int) or top_k < 1:
+            raise InvalidInputError("top_k must be a positive integer", param="top_k")
+        colls = list({c.id: c for c in (self._stores.get(n) for n in collections)}.values())
+        if not colls:
+            return []
+        vector = await self._embedder.embed.remote(query, truncate=True)
+
+        def run() -> list[Passage]:
+            passages = [
+                Passage(
+                    score=hit.score,
+                    vector_store_id=coll.id,
+                    vector_store_name=coll.name,
+                    file_id=hit.doc_id,
+                    filename=hit.source,
+                    chunk_index=hit.chunk_index,
+                    text=hit.text,
+                    attributes=hit.attributes,
+                )
+                for coll in colls
+                for hit in coll.search(vector, top_k, min_score)
+            ]
+            passages.sort(
+                key=lambda p: (-p.score, p.vector_store_id, p.file_id, p.chunk_index)
+            )
+            return passages[:top_k]
+
+        return await asyncio.to_thread(run)
+
+    # --- helpers ------------------------------------------------------------------------
+
+    def _store(self, store_id: str) -> Collection:
+        """A store by id (the API's paths name stores by id only, not by name)."""
+        try:
+            coll = self._stores.get(store_id) if isinstance(store_id, str) else None
+        except CollectionNotFoundError:
+            coll = None
+        if coll is None or coll.id != store_id:
+            raise CollectionNotFoundError(
+                f"No vector store found with id {store_id!r}.", param="vector_store_id"
+            )
+        return coll
+
+    def _store_object(self, coll: Collection) -> dict[str, Any]:
+        return oai.vector_store(coll.info(), self._failed.count(coll.id))
+
+    def _chunking(self, strategy: dict | None) -> ChunkingConfig:
+        return chunking_from_strategy(strategy, self._config.chunking, self._chunk_limit)
+
+    async def _ingest(
+        self,
+        coll: Collection,
+        file_id: str,
+        filename: str,
+        attributes: dict,
+        chunking: ChunkingConfig,
+    ) -> dict[str, Any]:
+        key = (coll.id, file_id)
+        if key in self._ingesting or _has_document(coll, file_id):
+            raise DocumentExistsError(
+                f"file {file_id!r} is already in vector store {coll.id!r}", param="file_id"
+            )
+        self._ingesting.add(key)
+        started = time.perf_counter()
+        try:
+            try:
+                pieces = await asyncio.to_thread(self._prepare, file_id, chunking)
+            except IngestFailure as failure:
+                return await self._fail(coll, file_id, attributes, chunking, failure)
+            try:
+                rows = await _gather(
+                    [self._embedder.embed_tokens.remote(p.ids) for p in pieces]
+                )
+            except Exception:
+                logger.exception("embedding %s for %s failed", file_id, coll.id)
+                failure = IngestFailure("server_error", "embedding the file failed; add it again")
+                return await self._fail(coll, file_id, attributes, chunking, failure)
+            await asyncio.to_thread(
+                coll.add_document,
+                file_id,
+                [p.text for p in pieces],
+                np.vstack(rows),
+                source=filename,
+                attributes=attributes,
+                chunking=chunking.model_dump(),
+            )
+            await asyncio.to_thread(self._failed.discard, coll.id, file_id)
+            logger.info(
+                "indexed %s into %s: %d chunks in %.2fs",
+                file_id,
+                coll.id,
+                len(pieces),
+                time.perf_counter() - started,
+            )
+            return oai.vector_store_file(coll.id, coll.get_document(file_id))
+        finally:
+            self._ingesting.discard(key)
+
+    def _prepare(self, file_id: str, chunking: ChunkingConfig) -> list[ChunkTokens]:
+        text = decode_document(self._files.read(file_id))
+        return split_document(text, chunking, self._tokenizer)
+
+    async def _fail(
+        self,
+        coll: Collection,
+        file_id: str,
+        attributes: dict,
+        chunking: ChunkingConfig,
+        failure: IngestFailure,
+    ) -> dict[str, Any]:
+        failed = FailedFile(
+            file_id=file_id,
+            created_at=int(time.time()),
+            code=failure.code,
+            message=failure.message,
+            attributes=dict(attributes),
+            chunking=chunking.model_dump(),
+        )
+        await asyncio.to_thread(self._failed.add, coll.id, failed)
+        logger.info("could not index %s into %s: %s", file_id, coll.id, failure.code)
+        return oai.failed_vector_store_file(coll.id, failed)
+
+
+def build_retrieval(config: RetrievalConfig):
+    """``(embedder, retriever)`` bound applications sharing one Embedder deployment.
+
+    Bind both into the ingress (the embeddings endpoint calls the Embedder directly, the vector
+    store routes and the chat path the Retriever); Serve deploys the shared Embedder once.
+    """
+    embedder = Embedder.bind(config.embedding)
+    return embedder, Retriever.bind(embedder, config)
+
+
+async def _gather(responses: Sequence[DeploymentResponse]) -> list:
+    """Await every response; on the first failure cancel the rest and raise it."""
+    try:
+        return list(await asyncio.gather(*responses))
+    except BaseException:
+        for response in responses:
+            response.cancel()
+        raise
+
+
+def _has_document(coll: Collection, file_id: str) -> bool:
+    try:
+        coll.get_document(file_id)
+    except DocumentNotFoundError:
+        return False
+    return True
+
+
+def _string_list(value: object, param: str) -> list[str]:
+    if isinstance(value, str) or not isinstance(value, (list, tuple)) or not all(
+        isinstance(v, str) for v in value
+    ):
+        raise InvalidInputError(f"{param} must be a list of strings", param=param)
+    return list(value)
+
+
+def _parse_filter(filters: dict | None) -> AttributeFilter | None:
+    if filters is None:
+        return None
+    try:
+        return _FILTER.validate_python(filters)
+    except ValidationError as exc:
+        raise InvalidInputError(f"invalid filters: {exc.errors()[0]['msg']}", param="filters") from exc
+
+
+def _score_threshold(ranking_options: dict | None) -> float | None:
+    """Minimum cosine for a clamped ``score_threshold`` (0 keeps everything)."""
+    if ranking_options is None:
+        return None
+    if not isinstance(ranking_options, dict) or set(ranking_options) - {"ranker", "score_threshold"}:
+        raise InvalidInputError(
+            "ranking_options takes 'ranker' and 'score_threshold'", param="ranking_options"
+        )
+    if ranking_options.get("ranker", "auto") not in _RANKERS:
+        raise InvalidInputError(f"ranker must be one of {sorted(_RANKERS)}", param="ranking_options")
+    threshold = ranking_options.get("score_threshold", 0.0)
+    if (
+        not isinstance(threshold, (int, float))
+        or isinstance(threshold, bool)
+        or not 0.0 <= threshold <= 1.0
+    ):
+        raise InvalidInputError("score_threshold must be between 0 and 1", param="ranking_options")
+    return float(threshold) if threshold > 0 else None

@@ -1,0 +1,213 @@
+import pytest
+
+from guardrails.detectors.pii import (
+    bsn_valid,
+    check_pii,
+    detect,
+    iban_valid,
+    luhn_valid,
+    nif_valid,
+    pii_verdict,
+    redact,
+    ssn_valid,
+)
+from guardrails.entities import EntityType, RuleAction
+from guardrails.verdict import PolicyCode
+
+
+def entities(text):
+    return [(f.entity, text[f.start : f.end]) for f in detect(text)]
+
+
+def only(text, entity):
+    return [value for e, value in entities(text) if e is entity]
+
+
+# --- checksums ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("number", ["4111111111111111", "5500005555555559", "378282246310005", "6011111111111117"])
+def test_luhn_valid(number):
+    assert luhn_valid(number)
+
+
+@pytest.mark.parametrize("number", ["4111111111111112", "5500005555555550", "378282246310006"])
+def test_luhn_invalid(number):
+    assert not luhn_valid(number)
+
+
+@pytest.mark.parametrize(
+    "iban", ["NL91ABNA0417164300", "GB82WEST12345698765432", "DE89370400440532013000", "FR1420041010050500013M02606"]
+)
+def test_iban_valid(iban):
+    assert iban_valid(iban)
+
+
+@pytest.mark.parametrize(
+    "iban",
+    [
+        "NL92ABNA0417164300",  # check digits wrong
+        "GB82WEST1234569876543",  # one character short for GB
+        "QQ82WEST12345698765432",  # not a registered country
+        "DE89370400440532013001",  # mod-97 fails
+    ],
+)
+def test_iban_invalid(iban):
+    assert not iban_valid(iban)
+
+
+def test_ssn_rules():
+    assert ssn_valid("536221234")
+    for bad in ("000221234", "666221234", "912221234", "536001234", "536220000", "078051120"):
+        assert not ssn_valid(bad)
+
+
+def test_bsn_eleven_proof():
+    assert bsn_valid("111222333")
+    assert bsn_valid("123456782")
+    assert not bsn_valid("123456789")
+    assert not bsn_valid("000000000")
+
+
+def test_spanish_nif_letter():
+    assert nif_valid("12345678Z")
+    assert nif_valid("X1234567L")
+    assert not nif_valid("12345678A")
+    assert not nif_valid("X1234567A")
+
+
+# --- detection ---------------------------------------------------------------------------------
+
+
+def test_credit_card_with_separators_and_luhn():
+    assert only("card 4111 1111 1111 1111 exp 12/26", EntityType.CREDIT_CARD) == ["4111 1111 1111 1111"]
+    assert only("card 4111-1111-1111-1111.", EntityType.CREDIT_CARD) == ["4111-1111-1111-1111"]
+    assert only("amex 3782 822463 10005", EntityType.CREDIT_CARD) == ["3782 822463 10005"]
+
+
+def test_credit_card_false_cases():
+    assert only("card 4111 1111 1111 1112", EntityType.CREDIT_CARD) == []  # Luhn fails
+    assert only("order 1234567812345670 shipped", EntityType.CREDIT_CARD) == []  # Luhn ok, no issuer prefix
+    assert only("pi is 3.1415926535897932384", EntityType.CREDIT_CARD) == []
+
+
+def test_iban_in_text_with_spaces_stops_at_registered_length():
+    text = "Pay to NL91 ABNA 0417 1643 00 is my account"
+    assert only(text, EntityType.IBAN) == ["NL91 ABNA 0417 1643 00"]
+    assert only("ref NL92ABNA0417164300", EntityType.IBAN) == []
+
+
+def test_email_true_and_false():
+    assert only("mail john.doe+tag@example.co.uk.", EntityType.EMAIL) == ["john.doe+tag@example.co.uk"]
+    assert only("write to a_b@sub.domain.org, thanks", EntityType.EMAIL) == ["a_b@sub.domain.org"]
+    assert only("use @decorator syntax or user@localhost", EntityType.EMAIL) == []
+    assert only("version foo@1.2.3", EntityType.EMAIL) == []
+
+
+@pytest.mark.parametrize(
+    "text, phone",
+    [
+        ("call +31 6 12345678 today", "+31 6 12345678"),
+        ("US office (415) 555-2671", "(415) 555-2671"),
+        ("US office 415-555-2671.", "415-555-2671"),
+        ("London 020 7946 0958", "020 7946 0958"),
+        ("mobiel 06-12345678", "06-12345678"),
+        ("Paris 01 23 45 67 89", "01 23 45 67 89"),
+        ("intl +44 20 7946 0958", "+44 20 7946 0958"),
+    ],
+)
+def test_phone_true(text, phone):
+    assert only(text, EntityType.PHONE) == [phone]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "It happened in 1999 and again in 2024.",
+        "Due on 2024-01-15 or 15.01.2024 or 12/05/2023.",
+        "The total was 1,234,567.89 dollars.",
+        "Room 101, floor 3, version 1.2.3.4",
+        "Chapter 12 pages 345-678",
+        "call extension 4512",
+    ],
+)
+def test_phone_false(text):
+    assert only(text, EntityType.PHONE) == []
+
+
+def test_national_ids():
+    assert only("my SSN is 536-22-1234", EntityType.US_SSN) == ["536-22-1234"]
+    assert only("sample 078-05-1120 and 000-12-3456", EntityType.US_SSN) == []
+    assert only("BSN: 111222333", EntityType.NL_BSN) == ["111222333"]
+    assert only("order 111222333", EntityType.NL_BSN) == []  # no BSN keyword nearby
+    assert only("BSN 123456789", EntityType.NL_BSN) == []  # fails 11-proof
+    assert only("DNI 12345678Z y NIE X-1234567-L", EntityType.ES_NIF) == ["12345678Z", "X-1234567-L"]
+    assert only("DNI 12345678A", EntityType.ES_NIF) == []
+
+
+def test_ip_addresses():
+    assert only("server 192.168.1.10 ok", EntityType.IP_ADDRESS) == ["192.168.1.10"]
+    assert only("v6 2001:db8::8a2e:370:7334 here", EntityType.IP_ADDRESS) == ["2001:db8::8a2e:370:7334"]
+    assert only("bad 999.1.1.1 and 1.2.3 and 12:30:45 and std::vector", EntityType.IP_ADDRESS) == []
+
+
+@pytest.mark.parametrize(
+    "secret, kind",
+    [
+        ("sk-proj-" + "aB3dE5fG7hJ9kL1mN3pQ5rS7", "openai"),
+        ("AKIAIOSFODNN7EXAMPLE", "aws_access_key_id"),
+        ("ghp_" + "a1B2c3D4e5F6g7H8i9J0k1L2m3N4o5P6q7R8", "github"),
+        ("github_pat_" + "11ABCDEFG0123456789_abcdefghijk", "github"),
+        ("xoxb-123456789012-1234567890123-AbCdEfGh", "slack"),
+        ("AIza" + "SyA1b2C3d4E5f6G7h8I9j0K1l2M3n4O5p6Q", "google"),
+        ("eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0In0.dBjftJeZ4CVPmB92K27uhbUJU1p1r_wW1gFWFOEjXk", "jwt"),
+    ],
+)
+def test_api_keys(secret, kind):
+    found = detect(f"my key is {secret} thanks")
+    assert [(f.entity, f.kind) for f in found] == [(EntityType.API_KEY, kind)]
+
+
+def test_api_key_false_cases():
+    text = "use sk-learn, AKIA is a prefix, ghp_short, xoxb-1, eyJ alone, AIzaShort"
+    assert only(text, EntityType.API_KEY) == []
+
+
+def test_private_key_block():
+    pem = "-----BEGIN RSA PRIVATE KEY-----\nMIIEow\n-----END RSA PRIVATE KEY-----"
+    assert only(f"here:\n{pem}\nbye", EntityType.PRIVATE_KEY) == [pem]
+    assert only("-----BEGIN PUBLIC KEY-----\nMIIB\n-----END PUBLIC KEY-----", EntityType.PRIVATE_KEY) == []
+
+
+# --- redaction and verdicts ---------------------------------------------------------------------
+
+
+ACTIONS = {
+    EntityType.EMAIL: RuleAction.REDACT,
+    EntityType.PHONE: RuleAction.REDACT,
+    EntityType.CREDIT_CARD: RuleAction.BLOCK,
+    EntityType.IP_ADDRESS: RuleAction.ALLOW,
+}
+
+
+def test_redact_replaces_spans_with_placeholders():
+    text = "Mail jane@example.org or call (415) 555-2671 from 10.0.0.1."
+    assert redact(text, detect(text), ACTIONS) == "Mail <EMAIL> or call <PHONE> from 10.0.0.1."
+
+
+def test_pii_verdict_redacts_without_quoting_text():
+    text = "I am jane@example.org"
+    verdict = pii_verdict(text, detect(text), ACTIONS)
+    assert verdict.redacted and verdict.text == "I am <EMAIL>"
+    assert "jane" not in verdict.reason and verdict.code is PolicyCode.PII_REDACTED
+
+
+def test_pii_verdict_block_wins_over_redact():
+    text = "jane@example.org card 4111 1111 1111 1111"
+    verdict = check_pii(text, ACTIONS)
+    assert verdict.blocked and verdict.code is PolicyCode.PII_BLOCKED
+    assert verdict.reason == "detected credit_card" and verdict.text is None
+
+
+def test_pii_verdict_allows_clean_text():
+    assert check_pii("What's the capital of France?", ACTIONS).allowed

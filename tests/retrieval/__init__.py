@@ -1,0 +1,1 @@
+"""Tests of the Ray-free retrieval core."""

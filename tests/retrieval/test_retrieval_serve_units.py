@@ -1,0 +1,166 @@
+"""Ray-free parts of the retrieval Serve layer: errors across processes, batch budget, OpenAI
+objects and pagination, ingestion helpers, duplicate store names."""
+
+from __future__ import annotations
+
+import pickle
+
+import cloudpickle
+import pytest
+
+from retrieval import errors
+from retrieval import openai_objects as oai
+from retrieval.config import ChunkingConfig, EmbeddingModelConfig
+from retrieval.embedding_deployment import _Input, batch_budget
+from retrieval.errors import InvalidInputError, RetrievalError
+from retrieval.ingest import (
+    FailedFile,
+    FailedFiles,
+    IngestFailure,
+    chunking_from_strategy,
+    decode_document,
+)
+from retrieval.store import CollectionStore
+
+ALL_ERRORS = [
+    errors.RetrievalError("boom"),
+    errors.InvalidInputError("bad", param="limit"),
+    errors.InputTooLongError(2, 300, 256),
+    errors.EmbeddingModelMissingError("no model"),
+    errors.CollectionNotFoundError("no store"),
+    errors.CollectionExistsError("taken"),
+    errors.DocumentNotFoundError("no doc"),
+    errors.DocumentExistsError("dup doc"),
+    errors.FileNotFoundInStoreError("no file"),
+    errors.StorageCorruptError("broken"),
+]
+
+
+@pytest.mark.parametrize("exc", ALL_ERRORS, ids=lambda e: type(e).__name__)
+@pytest.mark.parametrize("dumps", [pickle.dumps, cloudpickle.dumps], ids=["pickle", "cloudpickle"])
+def test_errors_pickle_with_their_fields(exc, dumps):
+    back = pickle.loads(dumps(exc))
+    assert type(back) is type(exc)
+    assert (back.status, back.code, back.error_type) == (exc.status, exc.code, exc.error_type)
+    assert (back.message, back.param, back.args) == (exc.message, exc.param, exc.args)
+    if isinstance(exc, errors.InputTooLongError):
+        assert (back.index, back.token_count, back.max_tokens) == (2, 300, 256)
+
+
+def test_error_status_mapping():
+    expected = {
+        "InvalidInputError": (400, "invalid_value"),
+        "InputTooLongError": (400, "context_length_exceeded"),
+        "CollectionNotFoundError": (404, "vector_store_not_found"),
+        "DocumentNotFoundError": (404, "vector_store_file_not_found"),
+        "FileNotFoundInStoreError": (404, "file_not_found"),
+        "CollectionExistsError": (409, "vector_store_exists"),
+        "DocumentExistsError": (409, "vector_store_file_exists"),
+        "EmbeddingModelMissingError": (500, "embedding_model_missing"),
+        "StorageCorruptError": (500, "storage_corrupt"),
+        "RetrievalError": (500, "retrieval_error"),
+    }
+    got = {type(e).__name__: (e.status, e.code) for e in ALL_ERRORS}
+    assert got == expected
+    for exc in ALL_ERRORS:
+        assert exc.error_type == ("server_error" if exc.status >= 500 else "invalid_request_error")
+    assert errors.InputTooLongError(0, 9, 8).param == "input"
+
+
+def test_batch_budget_counts_inputs_unless_tokens_can_bind():
+    size, fn = batch_budget(EmbeddingModelConfig())  # 32 * 256 <= 8192
+    assert (size, fn) == (32, None)
+
+    config = EmbeddingModelConfig(max_batch_size=32, max_tokens=256, max_batch_tokens=1024)
+    size, fn = batch_budget(config)
+    assert size == 1024
+
+    def items(*lengths):
+        return [_Input(list(range(n)), 0.0) for n in lengths]
+
+    assert fn(items(256, 256, 256, 256)) <= size  # exactly the token budget
+    assert fn(items(256, 256, 256, 256, 1)) > size  # one token over
+    assert fn(items(*[4] * 32)) <= size  # 32 short inputs fit
+    assert fn(items(*[4] * 33)) > size  # the 33rd input does not
+
+
+def test_page_cursors_both_ways():
+    items = [f"id{i}" for i in range(5)]  # oldest first
+
+    def listing(**kw):
+        return oai.page(items, item_id=lambda i: i, render=lambda i: {"id": i}, **kw)
+
+    first = listing(limit=2, order="desc")
+    assert [d["id"] for d in first["data"]] == ["id4", "id3"]
+    assert (first["first_id"], first["last_id"], first["has_more"]) == ("id4", "id3", True)
+    second = listing(limit=2, order="desc", after="id3")
+    assert [d["id"] for d in second["data"]] == ["id2", "id1"] and second["has_more"]
+    last = listing(limit=2, order="desc", after="id1")
+    assert [d["id"] for d in last["data"]] == ["id0"] and not last["has_more"]
+    back = listing(limit=2, order="desc", before="id1")
+    assert [d["id"] for d in back["data"]] == ["id3", "id2"] and back["has_more"]
+    assert [d["id"] for d in listing(limit=10, order="asc")["data"]] == items
+    empty = oai.page([], item_id=str, render=dict, limit=5, order="asc")
+    assert empty == {"object": "list", "data": [], "first_id": None, "last_id": None, "has_more": False}
+    for bad in ({"limit": 0}, {"limit": 101}, {"order": "up"}, {"after": "nope"}):
+        with pytest.raises(InvalidInputError):
+            listing(**{"limit": 2, "order": "asc", **bad})
+
+
+def test_scores_are_clamped_cosines():
+    assert [oai.similarity_to_score(c) for c in (-0.3, 0.0, 0.42, 1.0000001)] == [0.0, 0.0, 0.42, 1.0]
+
+
+def test_chunking_strategy_parsing():
+    default = ChunkingConfig(max_chunk_size_tokens=200, chunk_overlap_tokens=40)
+    assert chunking_from_strategy(None, default, 254) is default
+    assert chunking_from_strategy({"type": "auto"}, default, 254) is default
+    static = {"type": "static", "static": {"max_chunk_size_tokens": 100, "chunk_overlap_tokens": 20}}
+    assert chunking_from_strategy(static, default, 254) == ChunkingConfig(
+        max_chunk_size_tokens=100, chunk_overlap_tokens=20
+    )
+    too_big = {"type": "static", "static": {"max_chunk_size_tokens": 800, "chunk_overlap_tokens": 400}}
+    overlap = {"type": "static", "static": {"max_chunk_size_tokens": 100, "chunk_overlap_tokens": 60}}
+    for bad in (too_big, overlap, {"type": "static"}, {"type": "fancy"}, "auto"):
+        with pytest.raises(InvalidInputError) as info:
+            chunking_from_strategy(bad, default, 254)
+        assert info.value.param == "chunking_strategy"
+
+
+def test_decode_document_accepts_text_only():
+    assert decode_document("\ufeff# Title\nbody".encode()) == "# Title\nbody"
+    for content, code in [
+        (b"\x89PNG\r\n\x1a\n\x00\x00", "unsupported_file"),
+        (b"caf\xe9", "unsupported_file"),
+        (b"  \n\t ", "invalid_file"),
+        (b"", "invalid_file"),
+    ]:
+        with pytest.raises(IngestFailure) as info:
+            decode_document(content)
+        assert info.value.code == code
+
+
+def test_failed_files_persist(tmp_path):
+    path = tmp_path / "failed.json"
+    book = FailedFiles(path)
+    book.add("vs_a", FailedFile("file-1", 10, "invalid_file", "empty", {"k": 1}, None))
+    book.add("vs_b", FailedFile("file-1", 11, "unsupported_file", "binary", {}, None))
+    again = FailedFiles(path)
+    assert again.get("vs_a", "file-1").message == "empty" and again.count("vs_b") == 1
+    again.discard_file("file-1")
+    assert FailedFiles(path).count("vs_a") == 0 and FailedFiles(path).count("vs_b") == 0
+
+
+def test_duplicate_names_resolve_to_the_latest(tmp_path):
+    store = CollectionStore(tmp_path, dimension=4, unique_names=False)
+    older = store.create("docs")
+    newer = store.create("docs")  # same second: creation order decides
+    assert store.get("docs") is newer and store.get(older.id) is older
+    reopened = CollectionStore(tmp_path, dimension=4, unique_names=False)
+    assert {c.id for c in (reopened.get(older.id), reopened.get(newer.id))} == {older.id, newer.id}
+    store.delete(newer.id)
+    assert store.get("docs") is older
+
+
+def test_retrieval_error_is_the_common_base():
+    assert all(isinstance(e, RetrievalError) for e in ALL_ERRORS)
