@@ -141,20 +141,26 @@ def report(results: dict, ceiling: float, args: argparse.Namespace) -> None:
 
     print()
     print(
-        f"Embedding throughput, sentences/s (median of {args.rounds} round(s) x {args.seconds:.0f} s; "
+        f"Embedding throughput, sentences/s, p50 latency (median of {args.rounds} round(s) x "
+        f"{args.seconds:.0f} s; "
         f"torch threads {args.threads}; batch_wait_timeout_s {args.wait}; "
         f"OMP_WAIT_POLICY {os.environ['OMP_WAIT_POLICY']}; load average before "
         f"{args.load_before:.2f})"
     )
     header = "".join(f"{'c=' + str(c):>16s}" for c in CONCURRENCY)
     print(f"{'':28s}{header}")
-    for label, title in (("batched", f"Serve, batching ON ({BATCH})"), ("unbatched", "Serve, batching OFF (1)")):
+    for label, title in (
+        ("batched", f"Serve, batching ON ({BATCH})"),
+        ("unbatched", "Serve, batching OFF (1)"),
+    ):
         cells = "".join(
-            f"{median(label, c, 'rate'):8.1f} ({median(label, c, 'p50_ms'):4.0f}ms)" for c in CONCURRENCY
+            f"{median(label, c, 'rate'):8.1f} ({median(label, c, 'p50_ms'):4.0f}ms)"
+            for c in CONCURRENCY
         )
         print(f"{title:28s}{cells}")
     ratios = "".join(
-        f"{median('batched', c, 'rate') / median('unbatched', c, 'rate'):15.2f}x" for c in CONCURRENCY
+        f"{median('batched', c, 'rate') / median('unbatched', c, 'rate'):15.2f}x"
+        for c in CONCURRENCY
     )
     print(f"{'ON / OFF':28s}{ratios}")
     print(f"{'in-process ceiling (32)':28s}{ceiling:16.1f}")
@@ -164,17 +170,23 @@ def report(results: dict, ceiling: float, args: argparse.Namespace) -> None:
     print(f"batched / unbatched at c=32:        {on32 / off32:5.2f}x  (target >= 3)")
     print(f"batched c=32 / in-process ceiling:  {on32 / ceiling:5.2f}   (target >= 0.7)")
     print()
-    print("Serve batch figures (Embedder.batch_stats, last round):")
-    print(f"{'':28s}{'mean size':>10s}{'fill':>7s}{'wait ms':>9s}{'encode ms':>10s}{'util':>6s}  sizes")
+    print("Batches (Embedder.batch_stats, last round). serve = as serve.batch formed them,")
+    print("encode = per forward pass after EncodeGate merged them; wait = queue to encode start.")
+    print(
+        f"{'':20s}{'serve':>7s}{'encode':>8s}{'fill':>6s}{'wait ms':>9s}{'encode ms':>10s}"
+        f"{'util':>6s}  commonest encode sizes"
+    )
     for label in ("batched", "unbatched"):
         for c in CONCURRENCY:
             s = results[(label, c)][-1]["stats"]
-            hist = s["batch_size_histogram"]
-            common = sorted(hist.items(), key=lambda kv: -kv[1])[:4]
+            formed = s["serve_batch_size_histogram"]
+            serve_mean = sum(k * v for k, v in formed.items()) / max(1, sum(formed.values()))
+            common = sorted(s["batch_size_histogram"].items(), key=lambda kv: -kv[1])[:4]
             sizes = ", ".join(f"{size}x{count}" for size, count in common)
             print(
-                f"{label + ' c=' + str(c):28s}{s['mean_batch_size']:10.1f}{s['mean_fill']:7.2f}"
-                f"{s['mean_wait_ms']:9.1f}{s['mean_encode_ms']:10.1f}{s['utilisation']:6.2f}  {sizes}"
+                f"{label + ' c=' + str(c):20s}{serve_mean:7.1f}{s['mean_batch_size']:8.1f}"
+                f"{s['mean_fill']:6.2f}{s['mean_wait_ms']:9.1f}{s['mean_encode_ms']:10.1f}"
+                f"{s['utilisation']:6.2f}  {sizes}"
             )
     print()
     print("Prometheus (Ray metrics port, names prefixed ray_): " + ", ".join(SERVE_BATCH_METRICS))

@@ -3,9 +3,11 @@
 It speaks exactly the protocol Ray Serve LLM's vLLM engine speaks (SSE strings when
 streaming, a response object otherwise, an ``ErrorResponse`` on bad input), so the whole
 real Ray Serve path runs unchanged; only the tokens are scripted. The reply is chosen by
-directives in the last user message:
+directives anywhere in the conversation (a system message keeps them away from the
+input rails, which check what users write):
 
     [[say:TEXT]]        reply TEXT (split on spaces into tokens)
+    [[chars:TEXT]]      reply TEXT one character per token
     [[tokens:N]]        reply "t0 t1 ... tN-1"
     [[delay-ms:N]]      sleep N ms before each token (to observe cancellation)
     [[fail-after:N]]    raise after N tokens (a crash mid-stream)
@@ -51,7 +53,7 @@ from vllm.entrypoints.openai.completion.protocol import (
 
 RECORDER_NAME = "scripted_engine_recorder"
 RECORDER_NAMESPACE = "scripted_engine"
-_DIRECTIVE = re.compile(r"\[\[(say|tokens|delay-ms|fail-after|exit-process|reject):?([^\]]*)\]\]")
+_DIRECTIVE = re.compile(r"\[\[(say|chars|tokens|delay-ms|fail-after|exit-process|reject):?([^\]]*)\]\]")
 
 
 @ray.remote(num_cpus=0)
@@ -90,15 +92,18 @@ class Script:
     """The reply a prompt asks for."""
 
     def __init__(self, prompt: str, last_user: str, max_tokens: Optional[int]):
-        directives = {k: v for k, v in _DIRECTIVE.findall(last_user)}
+        directives = {k: v for k, v in _DIRECTIVE.findall(prompt)}
+        chars = None
         if "say" in directives:
             tokens = directives["say"].split(" ")
+        elif "chars" in directives:
+            tokens = chars = list(directives["chars"])
         elif "tokens" in directives:
             tokens = [f"t{i}" for i in range(int(directives["tokens"]))]
         else:
             tokens = ("echo: " + last_user).split(" ")
         # Streaming joins tokens with the space in front, like a real tokenizer's pieces.
-        self.pieces = [t if i == 0 else " " + t for i, t in enumerate(tokens)]
+        self.pieces = chars or [t if i == 0 else " " + t for i, t in enumerate(tokens)]
         self.finish_reason = "stop"
         if max_tokens is not None and len(self.pieces) > max_tokens:
             self.pieces = self.pieces[:max_tokens]

@@ -13,7 +13,7 @@ from typing import Any
 
 from ray.serve.handle import DeploymentHandle
 
-from gateway.errors import APIError, bad_request
+from gateway.errors import UNAVAILABLE, APIError, bad_request
 from gateway.retrieval_routes import call
 from guardrails.config import GuardrailPolicy
 from retrieval.config import RetrievalPolicy
@@ -68,7 +68,14 @@ async def input_rails(guard: DeploymentHandle, model_id: str, policy: GuardrailP
     tools wrote. Blocks with a 400 naming the policy, or rewrites redacted text in place."""
     slots = _text_slots(messages)
     checked = [s for s in slots if s.role in CHECKED_ROLES]
-    decision = await guard.check_input.remote(model_id, policy, [s.get() for s in checked], [s.get() for s in slots])
+    try:
+        decision = await guard.check_input.remote(model_id, policy, [s.get() for s in checked], [s.get() for s in slots])
+    except Exception as exc:
+        # The guardrails deployment itself failed: fail closed unless the policy says otherwise.
+        logger.error("guardrails unavailable for %s: %s", model_id, type(exc).__name__)
+        if policy.fail_open:
+            return
+        raise APIError(503, "The guardrails service is unavailable; try again shortly.", type=UNAVAILABLE, code="guardrails_unavailable") from None
     if decision.verdict.blocked:
         raise blocked_error(decision.verdict)
     if decision.verdict.redacted:
@@ -129,7 +136,11 @@ async def retrieval(
     query = next((s.get() for s in reversed(_text_slots(messages)) if s.role == "user" and s.get().strip()), "")
     if not query:
         return []
-    passages: list[Passage] = await call(retriever.retrieve.remote(collections, query, request.top_k or policy.top_k, policy.min_score))
+    # Stores a request names must exist (404 otherwise); stores the policy names may not
+    # have been created yet, and chat goes on without them.
+    passages: list[Passage] = await call(
+        retriever.retrieve.remote(collections, query, request.top_k or policy.top_k, policy.min_score, skip_missing=not request.collections)
+    )
     if passages and guard is not None and guard_policy.enabled:
         verdicts = await guard.check_passages.remote(model_id, guard_policy, [p.text for p in passages])
         kept = []

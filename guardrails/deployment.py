@@ -75,7 +75,9 @@ class Guardrails:
     async def check_input(self, model_id: str, policy: GuardrailPolicy, texts: Sequence[str], all_texts: Sequence[str]) -> InputDecision:
         """Limits over ``all_texts`` (every message), then PII, injection and denied topics
         on each of ``texts`` (what users and tools wrote)."""
-        guard = await self._guard(model_id, policy)
+        guard = await self._guard_or_error(model_id, policy)
+        if isinstance(guard, Verdict):
+            return InputDecision(guard, list(texts))
         limits = guard.check_request(list(all_texts))
         if limits.blocked:
             return InputDecision(limits, list(texts))
@@ -90,7 +92,9 @@ class Guardrails:
     async def check_passages(self, model_id: str, policy: GuardrailPolicy, passages: Sequence[str]) -> list[Verdict]:
         """Retrieved passages go through the same rails: an instruction planted in a document
         must not reach the model unchecked. One verdict per passage."""
-        guard = await self._guard(model_id, policy)
+        guard = await self._guard_or_error(model_id, policy)
+        if isinstance(guard, Verdict):
+            return [guard] * len(passages)
         return await self._check_each(guard, passages)
 
     def counters(self) -> dict[str, int]:
@@ -129,6 +133,18 @@ class Guardrails:
             out.append(np.stack(flat[row : row + len(ps)]))
             row += len(ps)
         return out
+
+    async def _guard_or_error(self, model_id: str, policy: GuardrailPolicy) -> InputGuard | Verdict:
+        """The rails for a policy, or, if they cannot be built (a classifier that does not
+        load, no embedding service for the topics), the verdict failing closed implies."""
+        try:
+            return await self._guard(model_id, policy)
+        except Exception as exc:
+            self.metrics.record_error("setup")
+            logger.error("guardrails for %s could not be built: %s", model_id, type(exc).__name__)
+            if policy.fail_open:
+                return Verdict.allow("setup")
+            return Verdict.block("setup", PolicyCode.RAIL_ERROR, "the configured rails could not be loaded")
 
     async def _guard(self, model_id: str, policy: GuardrailPolicy) -> InputGuard:
         cached = self._guards.get(model_id)

@@ -94,7 +94,9 @@ def ingest_folder(
             continue
         if added.status != "completed":
             error = added.last_error
-            summary.failures.append((rel, f"{error.code}: {error.message}" if error else added.status))
+            summary.failures.append(
+                (rel, f"{error.code}: {error.message}" if error else added.status)
+            )
             continue
         summary.files += 1
         chunks = _count_chunks(client, store.id, uploaded.id)
@@ -117,9 +119,7 @@ def search(client, store_name: str, query: str, top: int = 5) -> list:
 def _count_chunks(client, store_id: str, file_id: str) -> int | None:
     # The vector store file object has no chunk count; its parsed content is one item per chunk.
     try:
-        return sum(
-            1 for _ in client.vector_stores.files.content(file_id, vector_store_id=store_id)
-        )
+        return sum(1 for _ in client.vector_stores.files.content(file_id, vector_store_id=store_id))
     except Exception:  # a gateway without the content route still ingests
         return None
 
@@ -138,7 +138,9 @@ def _client(args: argparse.Namespace):
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m retrieval.cli", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m retrieval.cli", description=__doc__.split("\n")[0]
+    )
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--store", required=True, help="vector store name")
     common.add_argument("--base-url", default=DEFAULT_BASE_URL)
@@ -148,7 +150,10 @@ def _parser() -> argparse.ArgumentParser:
     ingest = sub.add_parser("ingest", parents=[common], help="upload a folder into a store")
     ingest.add_argument("folder", type=Path)
     ingest.add_argument(
-        "--glob", action="append", dest="globs", help=f"repeatable; default {' '.join(DEFAULT_GLOBS)}"
+        "--glob",
+        action="append",
+        dest="globs",
+        help=f"repeatable; default {' '.join(DEFAULT_GLOBS)}",
     )
     ingest.add_argument("--no-progress", action="store_true")
     find = sub.add_parser("search", parents=[common], help="print the best chunks for a query")
@@ -165,24 +170,34 @@ def _print_hits(hits: Iterable) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from openai import APIError
+
     args = _parser().parse_args(argv)
     client = _client(args)
-    if args.command == "ingest":
-        if not args.folder.is_dir():
-            print(f"error: {args.folder} is not a folder", file=sys.stderr)
-            return 2
-        summary = ingest_folder(
-            client, args.folder, args.store, args.globs or DEFAULT_GLOBS, progress=not args.no_progress
-        )
-        for path, reason in summary.failures:
-            print(f"failed: {path}: {reason}", file=sys.stderr)
-        print(summary.line())
-        return 1 if summary.failures else 0
     try:
-        hits = search(client, args.store, args.query, args.top)
-    except LookupError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        if args.command == "ingest":
+            return _ingest_command(client, args)
+        return _search_command(client, args)
+    except (APIError, LookupError) as exc:  # no gateway there, bad key, unknown store...
+        print(f"error: {_reason(exc)}", file=sys.stderr)
         return 2
+
+
+def _ingest_command(client, args: argparse.Namespace) -> int:
+    if not args.folder.is_dir():
+        print(f"error: {args.folder} is not a folder", file=sys.stderr)
+        return 2
+    summary = ingest_folder(
+        client, args.folder, args.store, args.globs or DEFAULT_GLOBS, progress=not args.no_progress
+    )
+    for path, reason in summary.failures:
+        print(f"failed: {path}: {reason}", file=sys.stderr)
+    print(summary.line())
+    return 1 if summary.failures else 0
+
+
+def _search_command(client, args: argparse.Namespace) -> int:
+    hits = search(client, args.store, args.query, args.top)
     if not hits:
         print("no results")
     _print_hits(hits)

@@ -8,6 +8,13 @@ lets ``batch_size_fn`` bound a batch by tokens as well as by inputs.
 
 The forward pass runs in a worker thread (``asyncio.to_thread``): the replica's event loop keeps
 accepting and queueing requests while a batch computes, so the next batch is ready to go.
+
+Ray 2.60's ``serve.batch`` forms the next batch while one runs and only then waits for a
+``max_concurrent_batches`` slot (since ray-project/ray#53096), so under load it hands over a
+string of small batches, each cut at ``batch_wait_timeout_s`` (measured: mean 2.6 inputs per
+batch with 32 callers). ``EncodeGate`` fixes that on our side: it runs at most
+``max_concurrent_batches`` encodes and merges the batches that queued meanwhile, within the
+input and token budgets.
 """
 
 from __future__ import annotations
@@ -17,8 +24,8 @@ import logging
 import math
 import threading
 import time
-from collections import Counter
-from collections.abc import Callable, Sequence
+from collections import Counter, deque
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -74,6 +81,70 @@ def batch_budget(config: EmbeddingModelConfig) -> tuple[int, Callable[[list], in
     return budget, size
 
 
+class EncodeGate:
+    """Runs at most ``limit`` encodes at once; batches that arrive meanwhile wait and are merged.
+
+    A waiting batch joins the next encode whole (never split) while the merged inputs stay
+    within ``max_size`` as measured by ``size`` (``len``, or the token measure of
+    ``batch_budget``); a batch alone always runs.
+    """
+
+    def __init__(
+        self,
+        run: Callable[[list[_Input]], Awaitable[Sequence[np.ndarray]]],
+        *,
+        limit: int,
+        max_size: int,
+        size: Callable[[list[_Input]], int] = len,
+    ) -> None:
+        self._run = run
+        self._limit = limit
+        self._max_size = max_size
+        self._size = size
+        self._waiting: deque[tuple[list[_Input], asyncio.Future]] = deque()
+        self._running: set[asyncio.Task] = set()
+
+    async def submit(self, items: list[_Input]) -> list[np.ndarray]:
+        future = asyncio.get_running_loop().create_future()
+        self._waiting.append((items, future))
+        self._start()
+        return await future
+
+    def _start(self) -> None:
+        while len(self._running) < self._limit and self._waiting:
+            groups = [self._waiting.popleft()]
+            merged = list(groups[0][0])
+            while self._waiting and self._size(merged + self._waiting[0][0]) <= self._max_size:
+                items, future = self._waiting.popleft()
+                groups.append((items, future))
+                merged += items
+            task = asyncio.get_running_loop().create_task(self._encode(groups, merged))
+            self._running.add(task)
+            task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task) -> None:
+        self._running.discard(task)
+        self._start()
+
+    async def _encode(
+        self, groups: list[tuple[list[_Input], asyncio.Future]], merged: list[_Input]
+    ) -> None:
+        try:
+            vectors = await self._run(merged)
+        except BaseException as exc:  # every waiter must hear about it, cancellation included
+            for _, future in groups:
+                if not future.done():
+                    future.set_exception(exc)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return
+        offset = 0
+        for items, future in groups:
+            if not future.done():
+                future.set_result(list(vectors[offset : offset + len(items)]))
+            offset += len(items)
+
+
 class BatchStats:
     """What the batch function saw: batch sizes, queue waits, time spent encoding.
 
@@ -88,12 +159,17 @@ class BatchStats:
     def reset(self) -> None:
         with self._lock:
             self._sizes: Counter[int] = Counter()
+            self._serve_sizes: Counter[int] = Counter()
             self._inputs = 0
             self._tokens = 0
             self._wait_s = 0.0
             self._busy_s = 0.0
             self._first_start: float | None = None
             self._last_end: float | None = None
+
+    def record_serve_batch(self, size: int) -> None:
+        with self._lock:
+            self._serve_sizes[size] += 1
 
     def record(self, items: Sequence[_Input], started: float, ended: float) -> None:
         with self._lock:
@@ -118,7 +194,10 @@ class BatchStats:
                 "batches": batches,
                 "inputs": self._inputs,
                 "tokens": self._tokens,
+                # Inputs per forward pass, after EncodeGate merged what serve.batch formed.
                 "batch_size_histogram": dict(sorted(self._sizes.items())),
+                # Inputs per batch as serve.batch formed them (what serve_actual_batch_size sees).
+                "serve_batch_size_histogram": dict(sorted(self._serve_sizes.items())),
                 "mean_batch_size": self._inputs / batches if batches else 0.0,
                 "max_batch_size": max_batch_size,
                 "mean_fill": self._inputs / batches / max_batch_size if batches else 0.0,
@@ -131,15 +210,15 @@ class BatchStats:
             }
 
 
-# OpenMP threads that spin while waiting collapse torch when another process holds a core
-# (measured here: 2 threads on 2 busy cores fell from ~180 to ~30 sentences/s at batch 32);
-# passive waiting costs nothing visible. It must be set before torch loads, hence the env.
+# OpenMP threads that spin while they wait collapse torch when another process holds a core:
+# measured here with another job on one of the 2 cores, 2 threads at batch 32 gave 33
+# sentences/s spinning and 177 passive (1 thread: 178). Read when torch loads, hence the env.
 OMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 @serve.deployment(
     name="Embedder",
-    max_ongoing_requests=256,
+    max_ongoing_requests=1024,
     ray_actor_options={"runtime_env": {"env_vars": OMP_ENV}},
 )
 class Embedder:
@@ -147,8 +226,10 @@ class Embedder:
 
     ``max_ongoing_requests`` must stay well above ``max_batch_size * max_concurrent_batches``:
     requests beyond it wait in the caller's router and never reach the batch queue (Serve's
-    default of 5 would cap every batch at 5). Overriding ``ray_actor_options`` replaces the
-    default's ``runtime_env``: keep ``OMP_ENV`` in it.
+    default of 5 would cap every batch at 5). It also bounds how many of serve.batch's small
+    batches can wait at the gate to be merged (``max_ongoing_requests // max_batch_size``):
+    1024 // 32 lets 32 of them merge, enough to fill a batch under load. Overriding
+    ``ray_actor_options`` replaces the default's ``runtime_env``: keep ``OMP_ENV`` in it.
     """
 
     def __init__(self, config: EmbeddingModelConfig) -> None:
@@ -156,12 +237,23 @@ class Embedder:
         self._encoder = SentenceEncoder.from_config(config)
         self._stats = BatchStats()
         max_batch_size, size_fn = batch_budget(config)
+        self._gate = EncodeGate(
+            self._encode_inputs,
+            limit=config.max_concurrent_batches,
+            max_size=max_batch_size,
+            size=size_fn or len,
+        )
+        # serve.batch's own concurrency only has to let formed batches reach the gate: as many
+        # as max_ongoing_requests can fill, which also keeps Serve's sizing warning quiet.
+        admitted = max(
+            config.max_concurrent_batches, _max_ongoing_requests() // config.max_batch_size
+        )
         # Built per instance (not a class decorator) so that every serve.batch option, including
-        # max_concurrent_batches and batch_size_fn, comes from this replica's config.
+        # batch_size_fn, comes from this replica's config.
         self._batched = serve.batch(
             max_batch_size=max_batch_size,
             batch_wait_timeout_s=config.batch_wait_timeout_s,
-            max_concurrent_batches=config.max_concurrent_batches,
+            max_concurrent_batches=admitted,
             batch_size_fn=size_fn,
         )(self._encode_batch)
         logger.info(
@@ -173,9 +265,7 @@ class Embedder:
             config.max_batch_tokens if size_fn else "unbounded",
         )
 
-    async def embed(
-        self, text: str, *, truncate: bool | None = None, index: int = 0
-    ) -> np.ndarray:
+    async def embed(self, text: str, *, truncate: bool | None = None, index: int = 0) -> np.ndarray:
         """The float32 vector (dimension,) of one text, L2-normalised.
 
         ``truncate`` overrides the config's; without truncation an over-long text raises
@@ -203,9 +293,7 @@ class Embedder:
         if isinstance(ids, (str, bytes)) or not all(
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids
         ):
-            raise InvalidInputError(
-                f"token ids must be integers in [0, {vocab})", param="input"
-            )
+            raise InvalidInputError(f"token ids must be integers in [0, {vocab})", param="input")
         wrapped = self._encoder.with_special_tokens(ids)
         excess = len(wrapped) - self._encoder.max_tokens
         if excess > 0 and (self._config.truncate if truncate is None else truncate):
@@ -240,8 +328,22 @@ class Embedder:
             raise InputTooLongError(index, count, self._encoder.max_tokens)
 
     async def _encode_batch(self, items: list[_Input]) -> list[np.ndarray]:
+        """The ``serve.batch`` function: one batch as Serve formed it, through the gate."""
+        self._stats.record_serve_batch(len(items))
+        return await self._gate.submit(items)
+
+    async def _encode_inputs(self, items: list[_Input]) -> list[np.ndarray]:
         started = time.perf_counter()
         vectors = await asyncio.to_thread(self._encoder.encode_ids, [i.ids for i in items])
         self._stats.record(items, started, time.perf_counter())
         # Copies: a row view would keep the whole batch array alive in every response.
         return [row.copy() for row in vectors]
+
+
+def _max_ongoing_requests(default: int = 1024) -> int:
+    """This replica's ``max_ongoing_requests`` (Serve keeps it in a private field)."""
+    try:
+        config = serve.get_replica_context()._deployment_config
+        return int(config.max_ongoing_requests)
+    except Exception:  # outside a replica, or the private field moved
+        return default

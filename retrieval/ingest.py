@@ -49,12 +49,15 @@ def decode_document(content: bytes) -> str:
     Only plain text and markdown are indexed; anything else is an IngestFailure.
     """
     if b"\x00" in content:
-        raise IngestFailure("unsupported_file", "binary file: only UTF-8 text or markdown is indexed")
+        raise IngestFailure(
+            "unsupported_file", "binary file: only UTF-8 text or markdown is indexed"
+        )
     try:
         text = content.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         raise IngestFailure(
-            "unsupported_file", f"not UTF-8 text (byte {exc.start}): only text or markdown is indexed"
+            "unsupported_file",
+            f"not UTF-8 text (byte {exc.start}): only text or markdown is indexed",
         ) from exc
     if not text.strip():
         raise IngestFailure("invalid_file", "the file has no text")
@@ -81,7 +84,9 @@ def split_document(
     return out
 
 
-def chunking_from_strategy(strategy: dict | None, default: ChunkingConfig, limit: int) -> ChunkingConfig:
+def chunking_from_strategy(
+    strategy: dict | None, default: ChunkingConfig, limit: int
+) -> ChunkingConfig:
     """The ChunkingConfig an OpenAI ``chunking_strategy`` asks for.
 
     ``None`` or ``{"type": "auto"}`` is ``default``; ``{"type": "static", "static": {...}}`` must

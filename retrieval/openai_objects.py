@@ -109,9 +109,7 @@ def file_content_page(chunks: Sequence[str]) -> dict[str, Any]:
     }
 
 
-def search_results_page(
-    queries: Sequence[str], hits: Sequence[Hit]
-) -> dict[str, Any]:
+def search_results_page(queries: Sequence[str], hits: Sequence[Hit]) -> dict[str, Any]:
     """VectorStoreSearchResultsPage, one item per chunk, best first."""
     return {
         "object": "vector_store.search_results.page",
@@ -181,4 +179,6 @@ def _position(ids: list[str], cursor: str, param: str) -> int:
     try:
         return ids.index(cursor)
     except ValueError:
-        raise InvalidInputError(f"{param}: no object with id {cursor!r} in this list", param=param) from None
+        raise InvalidInputError(
+            f"{param}: no object with id {cursor!r} in this list", param=param
+        ) from None

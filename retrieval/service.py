@@ -24,6 +24,7 @@ from pydantic import TypeAdapter, ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
+from retrieval import openai_objects as oai
 from retrieval.collection import Collection
 from retrieval.config import SPECIAL_TOKENS_PER_INPUT, ChunkingConfig, RetrievalConfig
 from retrieval.embedding_deployment import Embedder
@@ -45,7 +46,6 @@ from retrieval.ingest import (
     decode_document,
     split_document,
 )
-from retrieval import openai_objects as oai
 from retrieval.records import Hit, Passage, validate_attributes
 from retrieval.store import CollectionStore
 
@@ -71,7 +71,7 @@ class Retriever:
         info = await embedder.info.remote()
         self._chunk_limit = info["max_tokens"] - SPECIAL_TOKENS_PER_INPUT
         if config.chunking.max_chunk_size_tokens > self._chunk_limit:
-            raise InvalidInputError(
+            raise ValueError(
                 f"chunking.max_chunk_size_tokens ({config.chunking.max_chunk_size_tokens}) exceeds "
                 f"what the embedding model takes ({self._chunk_limit} + special tokens)"
             )
@@ -152,9 +152,7 @@ class Retriever:
         self, filename: str, content: bytes, purpose: str = "assistants"
     ) -> dict[str, Any]:
         if purpose not in _PURPOSES:
-            raise InvalidInputError(
-                f"purpose must be one of {sorted(_PURPOSES)}", param="purpose"
-            )
+            raise InvalidInputError(f"purpose must be one of {sorted(_PURPOSES)}", param="purpose")
         if not isinstance(content, (bytes, bytearray)):
             raise InvalidInputError("file content must be bytes", param="file")
         stored = await asyncio.to_thread(self._files.create, filename, bytes(content), purpose)
@@ -227,7 +225,9 @@ class Retriever:
         filter: str | None = None,
     ) -> dict[str, Any]:
         if filter is not None and filter not in _FILE_STATUSES:
-            raise InvalidInputError(f"filter must be one of {sorted(_FILE_STATUSES)}", param="filter")
+            raise InvalidInputError(
+                f"filter must be one of {sorted(_FILE_STATUSES)}", param="filter"
+            )
         coll = self._store(store_id)
         objects = [oai.vector_store_file(coll.id, d) for d in coll.list_documents()]
         objects += [oai.failed_vector_store_file(coll.id, f) for f in self._failed.list(coll.id)]
@@ -292,7 +292,9 @@ class Retriever:
         coll = self._store(store_id)
         queries = [query] if isinstance(query, str) else _string_list(query, "query")
         if not queries or not all(q.strip() for q in queries):
-            raise InvalidInputError("query must be a non-empty string or list of them", param="query")
+            raise InvalidInputError(
+                "query must be a non-empty string or list of them", param="query"
+            )
         if (
             not isinstance(max_num_results, int)
             or isinstance(max_num_results, bool)
@@ -304,9 +306,7 @@ class Retriever:
             )
         attr_filter = _parse_filter(filters)
         min_score = _score_threshold(ranking_options)
-        vectors = await _gather(
-            [self._embedder.embed.remote(q, truncate=True) for q in queries]
-        )
+        vectors = await _gather([self._embedder.embed.remote(q, truncate=True) for q in queries])
 
         def run() -> list[Hit]:
             best: dict[int, Hit] = {}
@@ -321,21 +321,38 @@ class Retriever:
         return oai.search_results_page(queries, hits)
 
     async def retrieve(
-        self, collections: list[str], query: str, top_k: int, min_score: float | None = None
+        self,
+        collections: list[str],
+        query: str,
+        top_k: int,
+        min_score: float | None = None,
+        *,
+        skip_missing: bool = False,
     ) -> list[Passage]:
         """The chat path's retrieval: the ``top_k`` best chunks across ``collections``.
 
-        Collections are named by id or name (a duplicated name means its latest store). Scores
-        are raw cosine similarities, which ``min_score`` is compared with. The query is
-        truncated to the model's window rather than refused. Ties are broken by store id, file
-        id and chunk position, so the same state always gives the same passages in the same
-        order.
+        Collections are named by id or name (a duplicated name means its latest store); an
+        unknown one is a CollectionNotFoundError, or with ``skip_missing`` (for a model's
+        configured policy, whose stores may not be loaded yet) a logged warning. Scores are raw
+        cosine similarities, which ``min_score`` is compared with. The query is truncated to the
+        model's window rather than refused. Ties are broken by store id, file id and chunk
+        position, so the same state always gives the same passages in the same order.
         """
         if not isinstance(query, str) or not query.strip():
             raise InvalidInputError("the retrieval query is empty", param="messages")
-        if not isinstance(top_k, int) or top_k < 1:
+        if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
             raise InvalidInputError("top_k must be a positive integer", param="top_k")
-        colls = list({c.id: c for c in (self._stores.get(n) for n in collections)}.values())
+        found: dict[str, Collection] = {}
+        for name in _string_list(collections, "collections"):
+            try:
+                coll = self._stores.get(name)
+            except CollectionNotFoundError:
+                if not skip_missing:
+                    raise
+                logger.warning("retrieval: no vector store %r, skipped", name)
+                continue
+            found[coll.id] = coll
+        colls = [c for c in found.values() if c.stats().chunks]
         if not colls:
             return []
         vector = await self._embedder.embed.remote(query, truncate=True)
@@ -355,9 +372,7 @@ class Retriever:
                 for coll in colls
                 for hit in coll.search(vector, top_k, min_score)
             ]
-            passages.sort(
-                key=lambda p: (-p.score, p.vector_store_id, p.file_id, p.chunk_index)
-            )
+            passages.sort(key=lambda p: (-p.score, p.vector_store_id, p.file_id, p.chunk_index))
             return passages[:top_k]
 
         return await asyncio.to_thread(run)
@@ -403,9 +418,7 @@ class Retriever:
             except IngestFailure as failure:
                 return await self._fail(coll, file_id, attributes, chunking, failure)
             try:
-                rows = await _gather(
-                    [self._embedder.embed_tokens.remote(p.ids) for p in pieces]
-                )
+                rows = await _gather([self._embedder.embed_tokens.remote(p.ids) for p in pieces])
             except Exception:
                 logger.exception("embedding %s for %s failed", file_id, coll.id)
                 failure = IngestFailure("server_error", "embedding the file failed; add it again")
@@ -485,8 +498,10 @@ def _has_document(coll: Collection, file_id: str) -> bool:
 
 
 def _string_list(value: object, param: str) -> list[str]:
-    if isinstance(value, str) or not isinstance(value, (list, tuple)) or not all(
-        isinstance(v, str) for v in value
+    if (
+        isinstance(value, str)
+        or not isinstance(value, (list, tuple))
+        or not all(isinstance(v, str) for v in value)
     ):
         raise InvalidInputError(f"{param} must be a list of strings", param=param)
     return list(value)
@@ -498,19 +513,26 @@ def _parse_filter(filters: dict | None) -> AttributeFilter | None:
     try:
         return _FILTER.validate_python(filters)
     except ValidationError as exc:
-        raise InvalidInputError(f"invalid filters: {exc.errors()[0]['msg']}", param="filters") from exc
+        raise InvalidInputError(
+            f"invalid filters: {exc.errors()[0]['msg']}", param="filters"
+        ) from exc
 
 
 def _score_threshold(ranking_options: dict | None) -> float | None:
     """Minimum cosine for a clamped ``score_threshold`` (0 keeps everything)."""
     if ranking_options is None:
         return None
-    if not isinstance(ranking_options, dict) or set(ranking_options) - {"ranker", "score_threshold"}:
+    if not isinstance(ranking_options, dict) or set(ranking_options) - {
+        "ranker",
+        "score_threshold",
+    }:
         raise InvalidInputError(
             "ranking_options takes 'ranker' and 'score_threshold'", param="ranking_options"
         )
     if ranking_options.get("ranker", "auto") not in _RANKERS:
-        raise InvalidInputError(f"ranker must be one of {sorted(_RANKERS)}", param="ranking_options")
+        raise InvalidInputError(
+            f"ranker must be one of {sorted(_RANKERS)}", param="ranking_options"
+        )
     threshold = ranking_options.get("score_threshold", 0.0)
     if (
         not isinstance(threshold, (int, float))

@@ -60,12 +60,41 @@ def gateway_url(ray_session, recorder, tmp_path_factory) -> str:
 
     port = free_port()
     storage = tmp_path_factory.mktemp("retrieval")
+    # A copy, so tests can edit model files to exercise live policy reloads.
+    configs = tmp_path_factory.mktemp("configs")
+    for f in FIXTURES.glob("*.yaml"):
+        (configs / f.name).write_text(f.read_text())
     config = load_config(
-        FIXTURES / "gateway.yaml", port=port, auth={"api_keys_env": API_KEYS_ENV}, retrieval={"storage_dir": str(storage)}
+        configs / "gateway.yaml", port=port, auth={"api_keys_env": API_KEYS_ENV}, retrieval={"storage_dir": str(storage)}
     )
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_gateway(config, engine_cls=ScriptedEngine), name="gateway", route_prefix="/")
-    return f"http://127.0.0.1:{port}"
+    url = f"http://127.0.0.1:{port}"
+    url_config_dir[url] = configs
+    return url
+
+
+# Where each running fast-tier gateway reads its (editable) model files.
+url_config_dir: dict[str, Path] = {}
+
+
+@pytest.fixture
+def model_file(gateway_url):
+    """Edit a fast-tier model file for one test; the original comes back afterwards."""
+    import time
+
+    edited: dict[Path, str] = {}
+
+    def edit(name: str, text: str) -> None:
+        path = url_config_dir[gateway_url] / name
+        edited.setdefault(path, path.read_text())
+        path.write_text(text)
+        time.sleep(0.6)  # the ingress re-reads model files every 0.2 s in the fast tier
+
+    yield edit
+    for path, text in edited.items():
+        path.write_text(text)
+    time.sleep(0.6)
 
 
 @pytest.fixture

@@ -29,10 +29,33 @@ from retrieval.service import Retriever  # noqa: E402
 
 APP = "retrieval-serve-test"
 
-SENTENCES = [f"Sentence number {i} is about {topic}." for i, topic in enumerate(
-    ["cats", "rain", "trains", "bread", "chess", "rivers", "music", "stars", "tea", "boats",
-     "snow", "clocks", "honey", "maps", "bridges", "owls", "salt", "kites", "glass", "wolves"]
-)]
+SENTENCES = [
+    f"Sentence number {i} is about {topic}."
+    for i, topic in enumerate(
+        [
+            "cats",
+            "rain",
+            "trains",
+            "bread",
+            "chess",
+            "rivers",
+            "music",
+            "stars",
+            "tea",
+            "boats",
+            "snow",
+            "clocks",
+            "honey",
+            "maps",
+            "bridges",
+            "owls",
+            "salt",
+            "kites",
+            "glass",
+            "wolves",
+        ]
+    )
+]
 
 DOCS = {
     "pasta.md": (
@@ -229,21 +252,33 @@ def test_objects_follow_the_openai_schema(retriever, corpus):
     store_id, file_ids = corpus
     store = retriever.get_store.remote(store_id).result()
     assert set(store) == {
-        "id", "object", "created_at", "name", "usage_bytes", "file_counts", "status",
-        "expires_at", "last_active_at", "metadata",
+        "id",
+        "object",
+        "created_at",
+        "name",
+        "usage_bytes",
+        "file_counts",
+        "status",
+        "expires_at",
+        "last_active_at",
+        "metadata",
     }
     VectorStore.model_validate(store)
     assert store["file_counts"]["completed"] >= 3 and store["metadata"] == {"topic": "mixed"}
     vs_file = retriever.get_store_file.remote(store_id, file_ids["pasta.md"]).result()
     VectorStoreFile.model_validate(vs_file)
     assert vs_file["chunking_strategy"] == {
-        "type": "static", "static": {"max_chunk_size_tokens": 40, "chunk_overlap_tokens": 8}
+        "type": "static",
+        "static": {"max_chunk_size_tokens": 40, "chunk_overlap_tokens": 8},
     }
     assert vs_file["status"] == "completed" and vs_file["last_error"] is None
     FileObject.model_validate(retriever.get_file.remote(file_ids["pasta.md"]).result())
     content = retriever.get_store_file_content.remote(store_id, file_ids["pasta.md"]).result()
     assert content["object"] == "vector_store.file_content.page" and len(content["data"]) >= 2
-    assert retriever.get_file_content.remote(file_ids["pasta.md"]).result() == DOCS["pasta.md"].encode()
+    assert (
+        retriever.get_file_content.remote(file_ids["pasta.md"]).result()
+        == DOCS["pasta.md"].encode()
+    )
     listing = retriever.list_store_files.remote(store_id, limit=2, order="asc").result()
     assert len(listing["data"]) == 2 and listing["has_more"] is True
     temp = retriever.create_store.remote(name="temp").result()
@@ -254,7 +289,9 @@ def test_objects_follow_the_openai_schema(retriever, corpus):
 
 def test_undecodable_file_fails_with_last_error(retriever, corpus):
     store_id, _ = corpus
-    binary = retriever.create_file.remote("image.png", b"\x89PNG\r\n\x1a\n\x00\x00\x00", "assistants").result()
+    binary = retriever.create_file.remote(
+        "image.png", b"\x89PNG\r\n\x1a\n\x00\x00\x00", "assistants"
+    ).result()
     added = retriever.add_file_to_store.remote(store_id, binary["id"]).result()
     assert added["status"] == "failed"
     assert added["last_error"]["code"] == "unsupported_file"
@@ -280,6 +317,8 @@ def test_retrieve_for_chat_is_deterministic(retriever, corpus):
     assert high == []
     with pytest.raises(CollectionNotFoundError):
         retriever.retrieve.remote(["no-such-store"], query, 3).result()
+    lenient = retriever.retrieve.remote(["no-such-store", "docs"], query, 3, skip_missing=True)
+    assert lenient.result() == first
 
 
 def test_deleting_a_file_removes_its_chunks(retriever, corpus):
@@ -378,7 +417,9 @@ class HandleClient:
             ),
             content=lambda file_id, vector_store_id: [
                 SimpleNamespace(**item)
-                for item in h.get_store_file_content.remote(vector_store_id, file_id).result()["data"]
+                for item in h.get_store_file_content.remote(vector_store_id, file_id).result()[
+                    "data"
+                ]
             ],
         )
         self.vector_stores = SimpleNamespace(
@@ -386,9 +427,13 @@ class HandleClient:
                 VectorStore.model_validate(s)
                 for s in h.list_stores.remote(limit=limit).result()["data"]
             ],
-            create=lambda name: VectorStore.model_validate(h.create_store.remote(name=name).result()),
+            create=lambda name: VectorStore.model_validate(
+                h.create_store.remote(name=name).result()
+            ),
             files=files,
-            search=lambda store_id, query, max_num_results: self._search(h, store_id, query, max_num_results),
+            search=lambda store_id, query, max_num_results: self._search(
+                h, store_id, query, max_num_results
+            ),
         )
 
     @staticmethod

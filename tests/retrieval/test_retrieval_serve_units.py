@@ -101,26 +101,46 @@ def test_page_cursors_both_ways():
     assert [d["id"] for d in back["data"]] == ["id3", "id2"] and back["has_more"]
     assert [d["id"] for d in listing(limit=10, order="asc")["data"]] == items
     empty = oai.page([], item_id=str, render=dict, limit=5, order="asc")
-    assert empty == {"object": "list", "data": [], "first_id": None, "last_id": None, "has_more": False}
+    assert empty == {
+        "object": "list",
+        "data": [],
+        "first_id": None,
+        "last_id": None,
+        "has_more": False,
+    }
     for bad in ({"limit": 0}, {"limit": 101}, {"order": "up"}, {"after": "nope"}):
         with pytest.raises(InvalidInputError):
             listing(**{"limit": 2, "order": "asc", **bad})
 
 
 def test_scores_are_clamped_cosines():
-    assert [oai.similarity_to_score(c) for c in (-0.3, 0.0, 0.42, 1.0000001)] == [0.0, 0.0, 0.42, 1.0]
+    assert [oai.similarity_to_score(c) for c in (-0.3, 0.0, 0.42, 1.0000001)] == [
+        0.0,
+        0.0,
+        0.42,
+        1.0,
+    ]
 
 
 def test_chunking_strategy_parsing():
     default = ChunkingConfig(max_chunk_size_tokens=200, chunk_overlap_tokens=40)
     assert chunking_from_strategy(None, default, 254) is default
     assert chunking_from_strategy({"type": "auto"}, default, 254) is default
-    static = {"type": "static", "static": {"max_chunk_size_tokens": 100, "chunk_overlap_tokens": 20}}
+    static = {
+        "type": "static",
+        "static": {"max_chunk_size_tokens": 100, "chunk_overlap_tokens": 20},
+    }
     assert chunking_from_strategy(static, default, 254) == ChunkingConfig(
         max_chunk_size_tokens=100, chunk_overlap_tokens=20
     )
-    too_big = {"type": "static", "static": {"max_chunk_size_tokens": 800, "chunk_overlap_tokens": 400}}
-    overlap = {"type": "static", "static": {"max_chunk_size_tokens": 100, "chunk_overlap_tokens": 60}}
+    too_big = {
+        "type": "static",
+        "static": {"max_chunk_size_tokens": 800, "chunk_overlap_tokens": 400},
+    }
+    overlap = {
+        "type": "static",
+        "static": {"max_chunk_size_tokens": 100, "chunk_overlap_tokens": 60},
+    }
     for bad in (too_big, overlap, {"type": "static"}, {"type": "fancy"}, "auto"):
         with pytest.raises(InvalidInputError) as info:
             chunking_from_strategy(bad, default, 254)
@@ -164,3 +184,46 @@ def test_duplicate_names_resolve_to_the_latest(tmp_path):
 
 def test_retrieval_error_is_the_common_base():
     assert all(isinstance(e, RetrievalError) for e in ALL_ERRORS)
+
+
+def test_encode_gate_merges_batches_that_wait():
+    import asyncio
+
+    import numpy as np
+
+    from retrieval.embedding_deployment import EncodeGate
+
+    calls: list[int] = []
+    release = None
+
+    async def run(items):
+        calls.append(len(items))
+        if len(calls) == 1:
+            await release.wait()  # hold the first encode so later batches queue up
+        if any(i.ids == [-1] for i in items):
+            raise RuntimeError("model failed")
+        return np.array([[float(i.ids[0])] for i in items])
+
+    async def scenario():
+        nonlocal release
+        release = asyncio.Event()
+        gate = EncodeGate(run, limit=1, max_size=4)
+
+        def batch(*values):
+            return [_Input([v], 0.0) for v in values]
+
+        first = asyncio.create_task(gate.submit(batch(0)))
+        await asyncio.sleep(0)
+        waiting = [asyncio.create_task(gate.submit(batch(*b))) for b in ([1, 2], [3], [4, 5], [6])]
+        await asyncio.sleep(0)
+        release.set()
+        results = await asyncio.gather(first, *waiting)
+        assert calls == [1, 3, 3]  # [1,2]+[3] fill 3 of 4; [4,5]+[6] the next encode
+        assert [[float(v[0]) for v in r] for r in results] == [[0], [1, 2], [3], [4, 5], [6]]
+        # The gate is idle: [7] starts alone, [-1] waits and runs alone; only its waiter fails.
+        failing = [asyncio.create_task(gate.submit(batch(*b))) for b in ([7], [-1])]
+        ok, failed = await asyncio.gather(*failing, return_exceptions=True)
+        assert float(ok[0][0]) == 7 and isinstance(failed, RuntimeError)
+        assert calls[-2:] == [1, 1]
+
+    asyncio.run(scenario())
