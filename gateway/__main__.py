@@ -47,26 +47,46 @@ def _run(args: argparse.Namespace) -> int:
     from gateway.app import build_gateway
 
     started = time.monotonic()
-    ray.init(address=args.address, include_dashboard=args.dashboard, logging_level=logging.WARNING)
-    serve.start(http_options={"host": config.gateway.host, "port": config.gateway.port})
-    ids = ", ".join(m.model_id for m in config.models)
-    print(f"starting {len(config.models)} model(s): {ids} (vLLM start-up takes a minute or two on CPU)", flush=True)
-    stop_dots = _dots_while_waiting()
-    try:
-        serve.run(build_gateway(config), name="gateway", route_prefix="/", blocking=False)
-    finally:
-        stop_dots()
-    url = f"http://{config.gateway.host}:{config.gateway.port}/v1"
-    print(f"gateway ready in {time.monotonic() - started:.0f}s, listening on {url}", flush=True)
-    print(f"serving models: {ids}", flush=True)
-
     stop = threading.Event()
+
+    def on_signal(*_):
+        # During start-up serve.run is blocking: interrupt it; afterwards, wake the wait.
+        if stop.is_set() or not serving.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+
+    serving = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-    print("shutting down", flush=True)
-    serve.shutdown()
-    ray.shutdown()
+        signal.signal(sig, on_signal)
+    # Ray counts CPUs to place actors, not to share cores. The engine's bundle holds a real
+    # core; the ingress and stage deployments are light, so a local Ray gets a little
+    # headroom beyond the physical count instead of leaving them unscheduled.
+    num_cpus = None if args.address else (args.num_cpus or (os.cpu_count() or 1) + 2)
+    try:
+        ray.init(address=args.address, num_cpus=num_cpus, include_dashboard=args.dashboard, logging_level=logging.WARNING)
+        serve.start(http_options={"host": config.gateway.host, "port": config.gateway.port})
+        ids = ", ".join(m.model_id for m in config.models)
+        print(f"starting {len(config.models)} model(s): {ids} (vLLM start-up takes a minute or two on CPU)", flush=True)
+        stop_dots = _dots_while_waiting()
+        try:
+            serve.run(build_gateway(config), name="gateway", route_prefix="/", blocking=False)
+        finally:
+            stop_dots()
+        serving.set()
+        url = f"http://{config.gateway.host}:{config.gateway.port}/v1"
+        print(f"gateway ready in {time.monotonic() - started:.0f}s, listening on {url}", flush=True)
+        print(f"serving models: {ids}", flush=True)
+        if config.gateway.embedding.enabled:
+            print(f"embedding model: {config.gateway.embedding.model_id}", flush=True)
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print("shutting down", flush=True)
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
     return 0
 
 
@@ -102,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--port", type=int)
     run.add_argument("--address", default=None, help="Ray cluster address (default: start a local one)")
     run.add_argument("--dashboard", action="store_true", help="start Ray's dashboard")
+    run.add_argument("--num-cpus", type=float, help="CPUs a local Ray may place (default: cores + 2)")
     check = sub.add_parser("check", help="validate the configuration files and exit")
     check.add_argument("--config", default="configs/gateway.yaml")
     args = parser.parse_args(argv)

@@ -14,7 +14,7 @@ from gateway.config import LoadedConfig, load_config
 from gateway.ingress import Gateway
 from guardrails.deployment import Guardrails
 from retrieval.config import RetrievalConfig
-from retrieval.embedding_deployment import Embedder
+from retrieval.embedding_deployment import OMP_ENV, Embedder
 from retrieval.service import Retriever
 
 logger = logging.getLogger(__name__)
@@ -39,7 +39,9 @@ def build_gateway(config: LoadedConfig, *, engine_cls: type | None = None) -> Ap
         model_path = config.resolve(gw.embedding.path) if gw.embedding.path else config.models_dir / gw.embedding.embedded
         embedding_config = gw.embedding.model.model_copy(update={"model_path": model_path})
         embedder = Embedder.options(
-            num_replicas=gw.embedding.num_replicas, ray_actor_options={"num_cpus": gw.embedding.num_cpus}
+            num_replicas=gw.embedding.num_replicas,
+            # Keep OMP_ENV: spinning torch threads collapse when the engine holds the other core.
+            ray_actor_options={"num_cpus": gw.embedding.num_cpus, "runtime_env": {"env_vars": OMP_ENV}},
         ).bind(embedding_config)
         if gw.retrieval.enabled:
             retrieval_config = RetrievalConfig(
@@ -48,7 +50,7 @@ def build_gateway(config: LoadedConfig, *, engine_cls: type | None = None) -> Ap
                 index=gw.retrieval.index,
                 chunking=gw.retrieval.chunking,
             )
-            retriever = Retriever.options(ray_actor_options={"num_cpus": 0.25}).bind(embedder, retrieval_config)
+            retriever = Retriever.options(ray_actor_options={"num_cpus": gw.retrieval.num_cpus}).bind(embedder, retrieval_config)
     if gw.guardrails.enabled:
         classifier = config.resolve(gw.guardrails.classifier_path) if gw.guardrails.classifier_path else config.models_dir / INJECTION_CLASSIFIER
         guard = Guardrails.options(

@@ -19,7 +19,7 @@ class IngressSettings(StrictModel):
 
     num_replicas: int = Field(1, ge=1)
     max_ongoing_requests: int = Field(512, ge=1)
-    num_cpus: float = Field(0.5, ge=0)
+    num_cpus: float = Field(0.25, ge=0)
 
 
 class AuthSettings(StrictModel):
@@ -45,7 +45,9 @@ class EmbeddingSettings(StrictModel):
     path: str | None = Field(None, description="or: a sentence-transformers folder")
     model: EmbeddingModelConfig = EmbeddingModelConfig()
     num_replicas: int = Field(1, ge=1)
-    num_cpus: float = Field(1.0, ge=0)
+    # Ray's CPU accounting is for scheduling: on a 2-core box the engine takes one core,
+    # and everything else shares what is left.
+    num_cpus: float = Field(0.5, ge=0)
 
 
 class RetrievalSettings(StrictModel):
@@ -53,6 +55,7 @@ class RetrievalSettings(StrictModel):
 
     enabled: bool = True
     storage_dir: str = Field("../.data/retrieval", description="relative to this file")
+    num_cpus: float = Field(0.1, ge=0)
     index: IndexConfig = IndexConfig()
     chunking: ChunkingConfig = ChunkingConfig()
 
@@ -63,7 +66,7 @@ class GuardrailSettings(StrictModel):
     enabled: bool = True
     classifier_path: str | None = Field(None, description="injection classifier; default: the one make models trains")
     num_replicas: int = Field(1, ge=1)
-    num_cpus: float = Field(0.25, ge=0)
+    num_cpus: float = Field(0.1, ge=0)
 
 
 class GatewayConfig(StrictModel):

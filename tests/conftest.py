@@ -35,7 +35,12 @@ def ray_session():
     os.environ[API_KEYS_ENV] = API_KEY
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(include_dashboard=False, num_cpus=4, logging_level="WARNING")
-    yield
+    from ray import serve
+
+    # Start Serve on a free port before any test deploys (serve.run would pick 8000).
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield port
     from ray import serve
 
     serve.shutdown()
@@ -58,7 +63,7 @@ def gateway_url(ray_session, recorder, tmp_path_factory) -> str:
     from gateway.app import build_gateway
     from gateway.config import load_config
 
-    port = free_port()
+    port = ray_session
     storage = tmp_path_factory.mktemp("retrieval")
     # A copy, so tests can edit model files to exercise live policy reloads.
     configs = tmp_path_factory.mktemp("configs")
@@ -67,7 +72,6 @@ def gateway_url(ray_session, recorder, tmp_path_factory) -> str:
     config = load_config(
         configs / "gateway.yaml", port=port, auth={"api_keys_env": API_KEYS_ENV}, retrieval={"storage_dir": str(storage)}
     )
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_gateway(config, engine_cls=ScriptedEngine), name="gateway", route_prefix="/")
     url = f"http://127.0.0.1:{port}"
     url_config_dir[url] = configs
