@@ -33,7 +33,8 @@ MODEL_BASE = """source: {path: /nonexistent}
 engine: {stream_batching_interval_ms: 0}
 placement: {accelerator: cpu, cpus_per_worker: 0.1}
 """
-GUARDED = "guardrails: {enabled: true}\n"  # the defaults: PII, injection, limits, output rail
+GUARDED = "guardrails: {enabled: true}\n"
+BATCH_WAIT_S = 0.005  # the defaults: PII, injection, limits, output rail
 
 
 def pct(values: list[float], q: float) -> float:
@@ -64,6 +65,7 @@ def start_gateway(workdir: Path) -> str:
     (workdir / "gateway.yaml").write_text(
         f"models: [rails-off.yaml, rails-on.yaml]\nmodels_dir: {ROOT / '.models'}\n"
         f"retrieval: {{enabled: false}}\ningress: {{num_cpus: 0.1}}\nguardrails: {{num_cpus: 0.1}}\n"
+        f"embedding: {{model: {{batch_wait_timeout_s: {BATCH_WAIT_S}}}}}\n"
     )
     port = free_port()
     ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
@@ -72,14 +74,22 @@ def start_gateway(workdir: Path) -> str:
     return f"http://127.0.0.1:{port}"
 
 
+BLOCKED: dict[str, int] = {}
+
+
 def input_latency(http: httpx.Client, model: str, prompts: list[str]) -> list[float]:
+    """Latency per request. A benign prompt the rails block (the classifier's false
+    positives) still counts: the rails ran; it is tallied in BLOCKED."""
     out = []
     for prompt in prompts:
         body = {"model": model, "max_tokens": 1, "messages": [{"role": "user", "content": prompt}]}
         t = time.perf_counter()
         r = http.post("/v1/chat/completions", json=body)
         out.append((time.perf_counter() - t) * 1000)
-        assert r.status_code == 200, r.text
+        if r.status_code == 400:
+            BLOCKED[model] = BLOCKED.get(model, 0) + 1
+        else:
+            assert r.status_code == 200, r.text
     return out
 
 
@@ -131,7 +141,10 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=150, help="chat requests per model per round")
     parser.add_argument("--streams", type=int, default=10, help="200-token streams per model per round")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--batch-wait-s", type=float, default=0.005, help="embedding deployment's batch_wait_timeout_s")
     args = parser.parse_args()
+    global BATCH_WAIT_S
+    BATCH_WAIT_S = args.batch_wait_s
 
     prompts = benign_prompts()
     with tempfile.TemporaryDirectory() as tmp:
@@ -155,6 +168,7 @@ def main() -> int:
     print(f"{'rails off':>12} {pct(off, 50):8.2f} {pct(off, 99):8.2f}")
     print(f"{'rails on':>12} {pct(on, 50):8.2f} {pct(on, 99):8.2f}")
     print(f"{'added':>12} {pct(on, 50) - pct(off, 50):8.2f} {pct(on, 99) - pct(off, 99):8.2f}   (target: p50 under 15 ms)")
+    print(f"benign prompts blocked by the rails: {BLOCKED.get('rails-on', 0)} of {len(on)}")
     c_off, c_on = statistics.median(chunk["rails-off"]), statistics.median(chunk["rails-on"])
     print(f"\noutput rails on 200-token streams: {c_off:.3f} ms/chunk off, {c_on:.3f} ms/chunk on, "
           f"added {c_on - c_off:.3f} ms/chunk (target: under 1 ms)")

@@ -19,11 +19,11 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -38,6 +38,24 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def without_stages(config_path: Path, out_dir: Path) -> Path:
+    """A copy of the gateway config whose models have no guardrail or retrieval stage."""
+    gateway = yaml.safe_load(config_path.read_text())
+    files = []
+    for name in gateway["models"]:
+        model = yaml.safe_load((config_path.parent / name).read_text())
+        model.pop("guardrails", None)
+        model.pop("retrieval", None)
+        files.append(out_dir / Path(name).name)
+        files[-1].write_text(yaml.safe_dump(model))
+    gateway["models"] = [str(f) for f in files]
+    gateway.setdefault("models_dir", str(load_config(config_path).models_dir))
+    gateway["retrieval"] = {**gateway.get("retrieval", {}), "storage_dir": str(out_dir / "retrieval")}
+    path = out_dir / "gateway.yaml"
+    path.write_text(yaml.safe_dump(gateway))
+    return path
 
 
 def engine_flags(kwargs: dict) -> list[str]:
@@ -110,15 +128,18 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--prompts-per-stream", type=int, default=6, help="requests per concurrent stream")
     parser.add_argument("--gateway-env", action="append", default=[], help="KEY=VALUE for the gateway's processes")
+    parser.add_argument("--stages", choices=["off", "on"], default="off", help="guardrail and retrieval stages of the model")
     args = parser.parse_args()
 
+    out_dir = ROOT / "benchmarks" / "results" / time.strftime("serving-%Y%m%d-%H%M%S")
+    out_dir.mkdir(parents=True)
+    if args.stages == "off":
+        args.config = str(without_stages(ROOT / args.config, out_dir))
     config = load_config(ROOT / args.config)
     model = config.models[0]
     folder = model.source.resolve(config.models_dir)
     base_env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **model.engine.env}
     gateway_env = {**base_env, **dict(kv.split("=", 1) for kv in args.gateway_env)}
-    out_dir = ROOT / "benchmarks" / "results" / time.strftime("serving-%Y%m%d-%H%M%S")
-    out_dir.mkdir(parents=True)
 
     def servers():
         vllm_port, gw_port = free_port(), free_port()
@@ -160,7 +181,7 @@ def main() -> int:
             summary[f"c{c}_{key}"] = {"vllm": v, "gateway": g, "ratio": g / v}
         print(f"{c:>4} | " + " | ".join(row))
     print(f"\nready in (median): vllm {statistics.median(ready['vllm']):.0f} s, gateway {statistics.median(ready['gateway']):.0f} s")
-    (out_dir / "summary.json").write_text(json.dumps({"rounds": args.rounds, "gateway_env": args.gateway_env, "figures": summary}, indent=2))
+    (out_dir / "summary.json").write_text(json.dumps({"rounds": args.rounds, "stages": args.stages, "gateway_env": args.gateway_env, "figures": summary}, indent=2))
     print(f"raw results: {out_dir}")
     return 0
 

@@ -26,6 +26,9 @@ RAY_ENV_DEFAULTS = {
     "TRANSFORMERS_OFFLINE": "1",
     # Ray's usage-stats reporter tries the network at start-up.
     "RAY_USAGE_STATS_ENABLED": "0",
+    # Ray starts workers at nice 15, and the vLLM engine process inherits it from its
+    # replica: on a shared box it then loses the CPU to any ordinary process.
+    "RAY_worker_niceness": "0",
 }
 
 

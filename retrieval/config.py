@@ -170,9 +170,6 @@ class RetrievalConfig(BaseModel):
     embedding: EmbeddingModelConfig = Field(default_factory=EmbeddingModelConfig)
     index: IndexConfig = Field(default_factory=IndexConfig)
     chunking: ChunkingConfig = Field(default_factory=ChunkingConfig)
-    policies: dict[str, RetrievalPolicy] = Field(
-        default_factory=dict, description="Keyed by served model name."
-    )
 
     @model_validator(mode="after")
     def _chunks_fit_encoder(self) -> RetrievalConfig:

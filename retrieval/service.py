@@ -27,7 +27,6 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponse
 from retrieval import openai_objects as oai
 from retrieval.collection import Collection
 from retrieval.config import SPECIAL_TOKENS_PER_INPUT, ChunkingConfig, RetrievalConfig
-from retrieval.embedding_deployment import Embedder
 from retrieval.encoder import DocumentTokenizer
 from retrieval.errors import (
     CollectionNotFoundError,
@@ -467,16 +466,6 @@ class Retriever:
         await asyncio.to_thread(self._failed.add, coll.id, failed)
         logger.info("could not index %s into %s: %s", file_id, coll.id, failure.code)
         return oai.failed_vector_store_file(coll.id, failed)
-
-
-def build_retrieval(config: RetrievalConfig):
-    """``(embedder, retriever)`` bound applications sharing one Embedder deployment.
-
-    Bind both into the ingress (the embeddings endpoint calls the Embedder directly, the vector
-    store routes and the chat path the Retriever); Serve deploys the shared Embedder once.
-    """
-    embedder = Embedder.bind(config.embedding)
-    return embedder, Retriever.bind(embedder, config)
 
 
 async def _gather(responses: Sequence[DeploymentResponse]) -> list:

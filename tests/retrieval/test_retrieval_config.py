@@ -45,10 +45,9 @@ def test_configs_forbid_unknown_keys_and_check_ranges(tmp_path):
         {
             "storage_dir": str(tmp_path),
             "index": {"kind": "hnsw"},
-            "policies": {"smollm": {"enabled": True, "collections": ["kb"], "top_k": 3}},
         }
     )
-    assert config.policies["smollm"].collections == ["kb"]
+    assert config.index.kind == "hnsw"
     assert config.chunking.max_chunk_size_tokens <= config.embedding.max_tokens - 2
 
 
