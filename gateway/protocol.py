@@ -106,7 +106,11 @@ def parse_chat_request(data: dict[str, Any]) -> ChatCompletionRequest:
     _require_model(data)
     request = validate(ChatCompletionRequest, data)
     # Materialise iterator-typed fields so the request pickles across the Serve hop.
-    return _sanitize_chat_completion_request(request)
+    # Pydantic validates those iterators lazily, so bad content parts surface only here.
+    try:
+        return _sanitize_chat_completion_request(request)
+    except ValueError as exc:
+        raise bad_request(f"Invalid message content: {exc}", param="messages", code="invalid_value") from None
 
 
 def parse_completion_request(data: dict[str, Any]) -> CompletionRequest:

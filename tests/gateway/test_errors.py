@@ -46,6 +46,12 @@ def test_unknown_role(http):
     assert_error(r, 400, "invalid_value", "messages[0].role")
 
 
+@pytest.mark.parametrize("content", [{"a": 1}, [{"type": "text"}], [1, 2], 123])
+def test_malformed_message_content(http, content):
+    r = http.post("/v1/chat/completions", json={"model": "scripted", "messages": [{"role": "user", "content": content}]})
+    assert_error(r, 400, "invalid_value")
+
+
 def test_wrong_field_type(http):
     r = http.post("/v1/chat/completions", json={"model": "scripted", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"})
     assert_error(r, 400, "invalid_value", "temperature")
