@@ -113,8 +113,6 @@ class LoadedConfig:
         """A path from this config, relative to the config file's folder."""
         return (self.path.parent / os.path.expandvars(relative)).expanduser().resolve()
 
-    def model(self, model_id: str) -> ModelConfig | None:
-        return next((m for m in self.models if m.model_id == model_id), None)
 
 
 def load_config(path: str | Path, **overrides) -> LoadedConfig:

@@ -9,7 +9,7 @@ microseconds per chunk, where a hop to another deployment would cost millisecond
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 from guardrails.config import GuardrailPolicy
 from guardrails.metrics import RailMetrics
@@ -99,6 +99,3 @@ def guard_response(body: dict[str, Any], policy: GuardrailPolicy, metrics: RailM
         if last.verdict.blocked:
             choice["finish_reason"] = CONTENT_FILTER
     return body
-
-
-OutputFilterFactory = Callable[[], OutputRail]

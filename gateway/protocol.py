@@ -152,7 +152,3 @@ def response_body(response: BaseModel) -> dict[str, Any]:
             message.setdefault("content", None)
             message.setdefault("refusal", None)
     return body
-
-
-def dumps(payload: Any) -> bytes:
-    return orjson.dumps(payload)
