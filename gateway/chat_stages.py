@@ -83,6 +83,22 @@ async def input_rails(guard: DeploymentHandle, model_id: str, policy: GuardrailP
             slot.set(text)
 
 
+async def completion_input_rails(guard: DeploymentHandle, model_id: str, policy: GuardrailPolicy, prompt: Any) -> Any:
+    """The input rails for ``/v1/completions``: a prompt string or list of strings is checked
+    like user messages. Token-id prompts cannot be read by the rails, so a guarded model
+    refuses them rather than let them pass unchecked."""
+    texts = [prompt] if isinstance(prompt, str) else prompt
+    if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+        raise bad_request(
+            "This model's guardrails check text; send 'prompt' as a string or an array of strings.",
+            param="prompt", code="invalid_value",
+        )
+    messages = [{"role": "user", "content": t} for t in texts]
+    await input_rails(guard, model_id, policy, messages)
+    checked = [m["content"] for m in messages]
+    return checked[0] if isinstance(prompt, str) else checked
+
+
 @dataclass(frozen=True)
 class RetrievalRequest:
     """What a request may ask of retrieval through ``extra_body={"retrieval": {...}}``."""

@@ -106,13 +106,12 @@ class LoadedConfig:
     @property
     def models_dir(self) -> Path:
         if self.gateway.models_dir:
-            return (self.path.parent / os.path.expandvars(self.gateway.models_dir)).resolve()
+            return self.resolve(self.gateway.models_dir)
         return default_models_dir().resolve()
 
     def resolve(self, relative: str) -> Path:
         """A path from this config, relative to the config file's folder."""
         return (self.path.parent / os.path.expandvars(relative)).expanduser().resolve()
-
 
 
 def load_config(path: str | Path, **overrides) -> LoadedConfig:

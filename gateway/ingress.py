@@ -110,10 +110,10 @@ class Gateway(RetrievalRoutes):
         completion = parse_completion_request(data)
         engine = self._engine(completion.model)
         guardrails = self._policies.get(completion.model).guardrails
-        if guardrails.enabled and self._guard is not None and isinstance(completion.prompt, str):
-            prompt = [{"role": "user", "content": completion.prompt}]
-            await chat_stages.input_rails(self._guard, completion.model, guardrails, prompt)
-            completion.prompt = prompt[0]["content"]
+        if guardrails.enabled and self._guard is not None:
+            completion.prompt = await chat_stages.completion_input_rails(
+                self._guard, completion.model, guardrails, completion.prompt
+            )
         rails = guardrails if guardrails.enabled and guardrails.output.enabled else None
         return await engine.respond(
             "completions",

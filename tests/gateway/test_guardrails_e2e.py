@@ -30,6 +30,21 @@ def test_credit_card_is_blocked_before_the_engine(client, engine_events):
     assert engine_events("started") == []
 
 
+def test_completions_prompts_pass_the_input_rails(client, http, engine_events):
+    for prompt in (f"My card is {CARD}, can you store it?", ["Summarise the plot of Hamlet.", f"My card is {CARD}, can you store it?"]):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=MODEL, prompt=prompt)
+        assert err.value.body["code"] == "pii_blocked"
+    # Token ids cannot be checked by text rails: refused, not waved through.
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": [101, 2023, 102]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert engine_events("started") == []
+    reply = client.completions.create(model=MODEL, prompt=["Write to jane.doe@example.com about the meeting", "What is the capital of France?"])
+    assert reply.choices[0].text
+    prompts = [e["prompt"] for e in engine_events("started")]
+    assert "jane.doe@example.com" not in str(prompts) and "<EMAIL>" in str(prompts)
+
+
 def test_email_is_redacted_before_the_engine(client, engine_events):
     reply = chat(client, "Write to jane.doe@example.com about the meeting")
     assert reply.choices[0].message.content
