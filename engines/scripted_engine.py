@@ -165,13 +165,16 @@ class ScriptedEngine(LLMEngine):
         request_id = getattr(request, "request_id", None) or uuid.uuid4().hex
         recorder = _recorder()
 
-        def record(event: str, **fields) -> None:
+        def record(event: str, **fields):
             if recorder is not None:
-                recorder.record.remote({"request_id": request_id, "event": event, "time": time.time(), **fields})
+                return recorder.record.remote({"request_id": request_id, "event": event, "time": time.time(), **fields})
+            return None
 
         # Everything the client set besides the prompt, to check that fields pass through.
         fields = request.model_dump(mode="json", exclude_unset=True, exclude={"messages", "prompt", "request_id"})
-        record("started", prompt=prompt, stream=bool(request.stream), fields=fields, **extra)
+        started = record("started", prompt=prompt, stream=bool(request.stream), fields=fields, **extra)
+        if started is not None:
+            await started  # recorded before any answer exists: a test may read it on the reply
         if script.exit_process:
             os._exit(1)
         if script.reject:
@@ -227,8 +230,9 @@ class ScriptedEngine(LLMEngine):
                         choices=[CompletionResponseChoice(index=0, text=text, finish_reason=script.finish_reason)],
                         usage=usage,
                     )
-        except asyncio.CancelledError:
-            # vLLM's AsyncLLM aborts the sequence here; we record that it happened.
+        except (asyncio.CancelledError, GeneratorExit):
+            # vLLM's AsyncLLM.generate aborts the sequence on both (a cancelled task, or a
+            # consumer that closed the stream); we record that it happened.
             record("cancelled", tokens=emitted)
             raise
         except Exception as exc:

@@ -29,6 +29,11 @@ RAY_ENV_DEFAULTS = {
     # Ray starts workers at nice 15, and the vLLM engine process inherits it from its
     # replica: on a shared box it then loses the CPU to any ordinary process.
     "RAY_worker_niceness": "0",
+    # Ray's documented throughput mode: user code on the replica's own event loop (no thread
+    # hop per call), gRPC between deployments, direct ingress. Measured on the 2-core box:
+    # a bare chat request 19 -> 13 ms, the input rails' Serve hop halved, streaming 0.94 ->
+    # 0.35 ms per chunk. Every deployment keeps blocking work off its loop (to_thread).
+    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
 }
 
 

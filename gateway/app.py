@@ -35,9 +35,9 @@ def build_gateway(config: LoadedConfig, *, engine_cls: type | None = None) -> Ap
         for model in config.models
     }
     embedder = retriever = guard = None
+    model_path = config.resolve(gw.embedding.path) if gw.embedding.path else config.models_dir / gw.embedding.embedded
+    embedding_config = gw.embedding.model.model_copy(update={"model_path": model_path})
     if gw.embedding.enabled:
-        model_path = config.resolve(gw.embedding.path) if gw.embedding.path else config.models_dir / gw.embedding.embedded
-        embedding_config = gw.embedding.model.model_copy(update={"model_path": model_path})
         embedder = Embedder.options(
             num_replicas=gw.embedding.num_replicas,
             # Keep OMP_ENV: spinning torch threads collapse when the engine holds the other core.
@@ -53,9 +53,15 @@ def build_gateway(config: LoadedConfig, *, engine_cls: type | None = None) -> Ap
             retriever = Retriever.options(ray_actor_options={"num_cpus": gw.retrieval.num_cpus}).bind(embedder, retrieval_config)
     if gw.guardrails.enabled:
         classifier = config.resolve(gw.guardrails.classifier_path) if gw.guardrails.classifier_path else config.models_dir / INJECTION_CLASSIFIER
+        local_encoder = None
+        if gw.guardrails.embedding == "local":
+            # One thread: the guardrails encode one request's texts at a time, and the engine
+            # holds the other core.
+            local_encoder = embedding_config.model_copy(update={"backend": gw.guardrails.local_backend, "num_threads": 1})
         guard = Guardrails.options(
-            num_replicas=gw.guardrails.num_replicas, ray_actor_options={"num_cpus": gw.guardrails.num_cpus}
-        ).bind(embedder, str(classifier))
+            num_replicas=gw.guardrails.num_replicas,
+            ray_actor_options={"num_cpus": gw.guardrails.num_cpus, "runtime_env": {"env_vars": OMP_ENV}},
+        ).bind(embedder, str(classifier), local_encoder)
     ingress = gw.ingress
     return Gateway.options(
         num_replicas=ingress.num_replicas,

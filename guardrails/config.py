@@ -23,10 +23,6 @@ from pydantic import (
 
 from guardrails.entities import EntityType, RuleAction
 
-# Threshold picked from cross-validation on the training split (see eval_injection.py and
-# guardrails/data/README.md for the measured precision/recall/FPR at this value).
-DEFAULT_INJECTION_THRESHOLD = 0.74
-
 DEFAULT_INPUT_PII: dict[EntityType, RuleAction] = {
     EntityType.CREDIT_CARD: RuleAction.BLOCK,
     EntityType.API_KEY: RuleAction.BLOCK,
@@ -99,7 +95,10 @@ class InjectionPolicy(StrictModel):
     """Prompt-injection / jailbreak rail."""
 
     enabled: bool = True
-    threshold: float = Field(default=DEFAULT_INJECTION_THRESHOLD, ge=0.0, le=1.0)
+    # None: the scorer's own calibrated threshold. For the embedding classifier that is the one
+    # `make models` picked by cross-validation for a ~3% benign false-positive rate (stored in
+    # the artifact, so retraining moves it with the weights); 0.5 for an HF classifier.
+    threshold: float | None = Field(default=None, ge=0.0, le=1.0)
     heuristics: bool = True
     detector: InjectionDetectorKind = InjectionDetectorKind.EMBEDDING_CLASSIFIER
     # None means the artifact shipped in guardrails/data/.

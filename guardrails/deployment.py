@@ -1,9 +1,10 @@
 """The guardrails deployment: input rails run by Ray Serve, scaled apart from the engines.
 
 The ingress sends the texts of a request (and, separately, retrieved passages) with the
-model's current policy; this deployment embeds what the rails need through the shared
-embedding deployment (batched there), runs the rails in order, and returns typed
-decisions. Rail outcomes and rail errors are exported as Prometheus counters.
+model's current policy; this deployment embeds what the rails need (with its own ONNX
+encoder, or through the shared embedding deployment: see ``guardrails.embeddings``), runs
+the rails in order, and returns typed decisions. Rail outcomes and rail errors are exported
+as Prometheus counters.
 """
 
 from __future__ import annotations
@@ -20,11 +21,20 @@ from ray.serve.handle import DeploymentHandle
 from guardrails.config import GuardrailPolicy, InjectionDetectorKind
 from guardrails.detectors.injection import DEFAULT_ARTIFACT, InjectionClassifier, InjectionScorer, embedding_chunks
 from guardrails.detectors.topics import TopicMatcher
+from guardrails.embeddings import LocalEmbeddings, RailEmbeddings, SharedEmbeddings
 from guardrails.input_rail import InputGuard
 from guardrails.metrics import RailMetrics
 from guardrails.verdict import PolicyCode, Verdict
+from retrieval.config import EmbeddingModelConfig
 
 logger = logging.getLogger(__name__)
+
+# Above this many characters in one call, the rails run in a worker thread.
+_INLINE_RAIL_CHARS = 8192
+
+
+def _check_all(guard: InputGuard, texts: Sequence[str], embeddings: Sequence[np.ndarray | None]) -> list[Verdict]:
+    return [guard.check_text(t, e) for t, e in zip(texts, embeddings)]
 
 
 class ExportedRailMetrics(RailMetrics):
@@ -61,10 +71,18 @@ class InputDecision:
 
 @serve.deployment(name="Guardrails", max_ongoing_requests=256, ray_actor_options={"num_cpus": 0.25})
 class Guardrails:
-    """Runs a model's input rails. Collaborators: the embedding deployment's handle."""
+    """Runs a model's input rails. Collaborators: the embedding deployment's handle, used
+    unless ``local_encoder`` says how to load an encoder in this replica."""
 
-    def __init__(self, embedder: DeploymentHandle | None, classifier_path: str | None = None):
-        self._embedder = embedder
+    def __init__(
+        self,
+        embedder: DeploymentHandle | None,
+        classifier_path: str | None = None,
+        local_encoder: EmbeddingModelConfig | None = None,
+    ):
+        self._embeddings: RailEmbeddings = (
+            LocalEmbeddings(local_encoder) if local_encoder is not None else SharedEmbeddings(embedder)
+        )
         self._classifier_path = classifier_path or str(DEFAULT_ARTIFACT)
         self._classifier = InjectionClassifier.load(self._classifier_path)
         self._hf_scorers: dict[str, InjectionScorer] = {}
@@ -115,19 +133,16 @@ class Guardrails:
                 logger.error("embedding for guardrails failed: %s", type(exc).__name__)
                 if not guard.policy.fail_open:
                     return [Verdict.block("embedding", PolicyCode.RAIL_ERROR, "embedding service unavailable")] * len(texts)
-        # Rails are microseconds of regex and one matrix-vector product: no thread needed.
-        return [guard.check_text(t, e) for t, e in zip(texts, embeddings)]
-
-    async def _embed(self, texts: Sequence[str]) -> list[np.ndarray]:
-        # One call per text so the embedding deployment's @serve.batch can group them.
-        # truncate: a chunk of ~1000 characters of code can exceed the 256-token window.
-        return list(await asyncio.gather(*(self._embedder.embed.remote(t, truncate=True) for t in texts)))
+        # Short texts with the embedding classifier are ~0.3 ms of regex and one dot product:
+        # inline. Long documents and HF classifiers (a model forward pass) go to a thread, so
+        # the replica's event loop (which Serve's throughput mode shares) keeps serving.
+        if guard.runs_model_inline or sum(len(t) for t in texts) > _INLINE_RAIL_CHARS:
+            return await asyncio.to_thread(_check_all, guard, texts, embeddings)
+        return _check_all(guard, texts, embeddings)
 
     async def _embed_chunked(self, texts: Sequence[str]) -> list[np.ndarray]:
-        if self._embedder is None:
-            raise RuntimeError("no embedding deployment configured")
         pieces = [embedding_chunks(t) for t in texts]
-        flat = await self._embed([p for ps in pieces for p in ps])
+        flat = await self._embeddings.embed([p for ps in pieces for p in ps])
         out, row = [], 0
         for ps in pieces:
             out.append(np.stack(flat[row : row + len(ps)]))
@@ -155,14 +170,14 @@ class Guardrails:
             key = policy.denied_topics.model_dump_json()
             if key not in self._topics:
                 descriptions = TopicMatcher.descriptions(policy.denied_topics)
-                vectors = np.stack(await self._embed(descriptions))
+                vectors = np.stack(await self._embeddings.embed(descriptions))
                 self._topics[key] = TopicMatcher.from_policy(policy.denied_topics, vectors)
             topics = self._topics[key]
-        guard = InputGuard(policy, injection_scorer=self._scorer(policy), topics=topics, metrics=self.metrics)
+        guard = InputGuard(policy, injection_scorer=await self._scorer(policy), topics=topics, metrics=self.metrics)
         self._guards[model_id] = (policy, guard)
         return guard
 
-    def _scorer(self, policy: GuardrailPolicy) -> InjectionScorer | None:
+    async def _scorer(self, policy: GuardrailPolicy) -> InjectionScorer | None:
         injection = policy.injection
         if not injection.enabled:
             return None
@@ -171,7 +186,8 @@ class Guardrails:
             if path not in self._hf_scorers:
                 from guardrails.detectors.injection_hf import HfInjectionClassifier
 
-                self._hf_scorers[path] = HfInjectionClassifier(injection.hf)
+                # Loading a model takes seconds: off the event loop.
+                self._hf_scorers[path] = await asyncio.to_thread(HfInjectionClassifier, injection.hf)
             return self._hf_scorers[path]
         if injection.classifier_path and injection.classifier_path != self._classifier_path:
             return InjectionClassifier.load(injection.classifier_path)

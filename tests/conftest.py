@@ -15,6 +15,21 @@ from pathlib import Path
 
 import pytest
 
+from gateway.__main__ import RAY_ENV_DEFAULTS
+
+# The same Ray settings as `python -m gateway run`, so the fast tier tests the Serve mode
+# production runs. Set before any test module imports Ray: Serve reads them when its
+# modules load, in this driver as well as in every process Ray starts.
+for _key, _value in RAY_ENV_DEFAULTS.items():
+    os.environ.setdefault(_key, _value)
+# Tests call deployment handles synchronously (`.remote().result()`), which Serve allows only
+# with the router on its own event loop. This process reads the setting now, as pytest
+# imports Ray; `ray_session` removes it before Ray starts, so every Ray process runs the
+# production mode.
+_DRIVER_ONLY_ENV = {"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1"}
+_DRIVER_ONLY_ENV = {k: v for k, v in _DRIVER_ONLY_ENV.items() if k not in os.environ}
+os.environ.update(_DRIVER_ONLY_ENV)
+
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 API_KEY = "test-key-fast-tier"
@@ -33,7 +48,8 @@ def ray_session():
 
     # Set before Ray starts so every replica inherits it.
     os.environ[API_KEYS_ENV] = API_KEY
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    for key in _DRIVER_ONLY_ENV:
+        os.environ.pop(key, None)
     ray.init(include_dashboard=False, num_cpus=4, logging_level="WARNING")
     from ray import serve
 

@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import ROOT, free_port
+from tests.conftest import _DRIVER_ONLY_ENV, ROOT, free_port
 
 pytestmark = pytest.mark.real
 MODEL = "SmolLM2-135M-Instruct"
@@ -40,7 +40,9 @@ class GatewayProcess:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # Exactly `make run`'s environment: without the settings only this test process needs.
+        env = {k: v for k, v in os.environ.items() if k not in _DRIVER_ONLY_ENV}
+        env["PYTHONUNBUFFERED"] = "1"
         env.pop("GATEWAY_API_KEYS", None)
         self.log = open(self.log_path, "a")
         offset = self.log_path.stat().st_size

@@ -97,6 +97,11 @@ def embedding_chunks(text: str, max_chars: int = 1000, overlap: int = 100) -> li
 class InjectionScorer(Protocol):
     """Anything that turns a user text (and its embedding, if the scorer uses one) into P(injection)."""
 
+    @property
+    def calibrated_threshold(self) -> float:
+        """The threshold to use when the policy names none."""
+        ...
+
     def score_input(self, text: str, embedding: np.ndarray | None) -> float: ...
 
 
@@ -119,6 +124,11 @@ class InjectionClassifier:
     @property
     def dim(self) -> int:
         return int(self.weights.shape[0])
+
+    @property
+    def calibrated_threshold(self) -> float:
+        """The threshold training chose (cross-validated for the target benign FPR)."""
+        return float(self.metadata.get("threshold", 0.5))
 
     def score(self, embeddings: np.ndarray) -> np.ndarray:
         """P(injection) for each row of `embeddings` (shape (n, dim) or (dim,))."""

@@ -41,6 +41,9 @@ class HfInjectionClassifier:
             )
         logger.info("loaded HF injection classifier %s, injection label ids %s", config.model_path, self.injection_ids)
 
+    # Prompt Guard and its kind output calibrated probabilities: 0.5 unless the policy says.
+    calibrated_threshold = 0.5
+
     def score_texts(self, texts: Sequence[str]) -> np.ndarray:
         """P(injection) for each text: the maximum over its overlapping windows of `max_length` tokens."""
         encoded = self.tokenizer(

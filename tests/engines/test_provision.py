@@ -21,19 +21,22 @@ def test_unknown_model_is_rejected(tmp_path):
 
 def test_prepared_stamp_controls_skipping(tmp_path, capsys):
     out = tmp_path / "all-MiniLM-L6-v2"
-    assert not provision.is_prepared(out)
+    recipe = provision.EMBEDDED_MODELS["all-MiniLM-L6-v2"].recipe
+    assert not provision.is_prepared(out, recipe)
     out.mkdir()
-    (out / provision.STAMP).write_text(json.dumps({"recipe": provision.RECIPE_VERSION - 1}))
-    assert not provision.is_prepared(out)  # an older recipe is rebuilt
-    (out / provision.STAMP).write_text(json.dumps({"recipe": provision.RECIPE_VERSION}))
-    assert provision.is_prepared(out)
+    (out / provision.STAMP).write_text(json.dumps({"recipe": recipe - 1}))
+    assert not provision.is_prepared(out, recipe)  # an older recipe is rebuilt
+    (out / provision.STAMP).write_text(json.dumps({"recipe": recipe}))
+    assert provision.is_prepared(out, recipe)
     provision.prepare("all-MiniLM-L6-v2", tmp_path)
     assert "already prepared" in capsys.readouterr().err
 
 
 def test_prepare_minilm_for_real(tmp_path):
     out = provision.prepare("all-MiniLM-L6-v2", tmp_path)
-    assert provision.is_prepared(out) and (out / "model.safetensors").is_file()
+    assert provision.is_prepared(out, provision.EMBEDDED_MODELS["all-MiniLM-L6-v2"].recipe)
+    assert (out / "model.safetensors").is_file()
+    assert (out / "onnx" / "model.onnx").is_file()  # checked against torch while preparing
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp folders left
 
 
@@ -53,7 +56,7 @@ def test_failed_check_leaves_no_model(tmp_path, monkeypatch):
 def test_prepared_smollm2_is_a_loadable_folder():
     """`make test` prepares the models first; the result is a float32 safetensors folder."""
     folder = provision.default_models_dir() / "SmolLM2-135M-Instruct"
-    assert provision.is_prepared(folder), "run `make models` first"
+    assert provision.is_prepared(folder, provision.EMBEDDED_MODELS["SmolLM2-135M-Instruct"].recipe), "run `make models` first"
     config = json.loads((folder / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert (folder / "model.safetensors").is_file()

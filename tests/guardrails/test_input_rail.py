@@ -84,3 +84,9 @@ def test_build_injection_scorer_loads_the_shipped_artifact_by_default():
         pytest.skip(f"no trained artifact at {DEFAULT_ARTIFACT}")
     scorer = build_injection_scorer(load_policy({}).injection)
     assert isinstance(scorer, InjectionClassifier) and scorer.dim == 384
+
+
+def test_only_model_scorers_are_sent_off_the_event_loop():
+    """The deployment runs rails inline unless a scorer runs a model itself (see runs_model_inline)."""
+    assert make_guard(scorer=Broken()).runs_model_inline
+    assert not make_guard().runs_model_inline

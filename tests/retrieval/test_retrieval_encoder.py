@@ -88,3 +88,33 @@ def test_chunks_from_real_tokens_fit_the_encoder(encoder):
 def test_missing_folder_is_a_clear_error(tmp_path):
     with pytest.raises(EmbeddingModelMissingError):
         SentenceEncoder(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def onnx_encoder() -> SentenceEncoder:
+    from engines.provision import default_models_dir
+
+    folder = default_models_dir() / "all-MiniLM-L6-v2"
+    assert (folder / "onnx" / "model.onnx").is_file(), "run `make models` first"
+    return SentenceEncoder(folder, backend="onnx", batch_size=4)
+
+
+def test_onnx_backend_gives_torch_vectors(encoder, onnx_encoder):
+    """The guardrails' ONNX path must see the vectors the classifier was trained on: padded
+    batches, single texts and token-id inputs alike."""
+    texts = [*SENTENCES, "word " * 300]  # the last one is truncated at 256 tokens
+    torch_vectors = encoder.encode(texts, truncate=True)
+    onnx_vectors = onnx_encoder.encode(texts, truncate=True)
+    assert onnx_vectors.shape == (6, 384) and onnx_vectors.dtype == np.float32
+    np.testing.assert_allclose(np.sum(torch_vectors * onnx_vectors, axis=1), 1.0, atol=1e-5)
+    ids = [encoder.token_ids(s) for s in SENTENCES]
+    np.testing.assert_allclose(onnx_encoder.encode_ids(ids), encoder.encode_ids(ids), atol=1e-4)
+    assert onnx_encoder.dimension == 384 and onnx_encoder.max_tokens == 256
+
+
+def test_onnx_backend_without_export_names_the_fix(tmp_path):
+    import shutil
+
+    shutil.copytree(MODEL_DIR, tmp_path / "m")
+    with pytest.raises(EmbeddingModelMissingError, match="make models"):
+        SentenceEncoder(tmp_path / "m", backend="onnx")

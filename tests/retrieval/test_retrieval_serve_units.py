@@ -11,7 +11,7 @@ import pytest
 from retrieval import errors
 from retrieval import openai_objects as oai
 from retrieval.config import ChunkingConfig, EmbeddingModelConfig
-from retrieval.embedding_deployment import _Input, batch_budget
+from retrieval.embedding_deployment import QueuedInput, batch_budget
 from retrieval.errors import InvalidInputError, RetrievalError
 from retrieval.ingest import (
     FailedFile,
@@ -76,7 +76,7 @@ def test_batch_budget_counts_inputs_unless_tokens_can_bind():
     assert size == 1024
 
     def items(*lengths):
-        return [_Input(list(range(n)), 0.0) for n in lengths]
+        return [QueuedInput(list(range(n)), 0.0) for n in lengths]
 
     assert fn(items(256, 256, 256, 256)) <= size  # exactly the token budget
     assert fn(items(256, 256, 256, 256, 1)) > size  # one token over
@@ -210,7 +210,7 @@ def test_encode_gate_merges_batches_that_wait():
         gate = EncodeGate(run, limit=1, max_size=4)
 
         def batch(*values):
-            return [_Input([v], 0.0) for v in values]
+            return [QueuedInput([v], 0.0) for v in values]
 
         first = asyncio.create_task(gate.submit(batch(0)))
         await asyncio.sleep(0)
