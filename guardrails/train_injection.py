@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 C_GRID = (1.0, 3.0, 10.0, 30.0)
-RECALL_TOLERANCE = 0.025  # cross-validated recall within this of the best counts as a tie
+RECALL_TOLERANCE = 0.03  # cross-validated recall within this of the best counts as a tie
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ def cross_validate(x: np.ndarray, data: LabelledSet, target_fpr: float) -> tuple
         fpr = float(np.mean(oof[benign] >= threshold))
         logger.info("C=%-5s threshold=%.3f cv recall=%.3f cv fpr=%.3f", c, threshold, recall, fpr)
         results.append((c, threshold, recall, {"cv_recall": recall, "cv_benign_fpr": fpr}))
-    # The most regularised C within 2.5 points of the best recall: weaker regularisation buys
+    # The most regularised C within 3 points of the best recall: weaker regularisation buys
     # a point or two in cross-validation and scores benign text outside the training
     # distribution too confidently. Measured at C=30: a product fact sheet retrieved as a
     # passage scored 0.78 (threshold 0.758) and was dropped; at C=10 it scores 0.64.
