@@ -146,7 +146,13 @@ def _check_minilm(out: Path) -> str:
         hidden = model(**batch).last_hidden_state
     if hidden.shape[-1] != 384:
         raise ProvisionError(f"{out}: expected 384 dimensions, got {hidden.shape[-1]}")
-    return "loads, 384 dimensions, ONNX export matches torch"
+    from retrieval.onnx_export import onnx_path
+
+    missing = [p for p in (onnx_path(out), onnx_path(out, quantized=True)) if not p.is_file()]
+    if missing:
+        raise ProvisionError(f"{out}: ONNX export missing: {missing}")
+    # export_onnx checked both graphs against torch before writing them.
+    return "loads, 384 dimensions, ONNX exports checked against torch"
 
 
 EMBEDDED_MODELS: dict[str, EmbeddedModel] = {

@@ -1,10 +1,10 @@
 """Where the input rails get their embeddings: this replica's own encoder, or the shared
 embedding deployment.
 
-``local`` (the default) encodes in the guardrails replica with the ONNX export of the same
-model the embedding deployment serves. One Serve hop fewer and ONNX's speed on single texts
-take the input rails from ~47 ms to under 15 ms added per request on the 2-core CI machine
-(benchmarks/bench_guardrails.py), at the price of a copy of the model (~90 MB) per replica.
+``local`` (the default) encodes in the guardrails replica with the int8 ONNX export of the
+same model the embedding deployment serves. One Serve hop fewer and ONNX's speed on single
+texts take the input rails from ~47 ms to 6.8 ms added per request on the 2-core CI machine
+(benchmarks/bench_guardrails.py), at the price of a copy of the model (23 MB) per replica.
 ``shared`` sends each text to the embedding deployment, where ``@serve.batch`` groups it with
 other callers' texts: worth it when guardrails replicas are many and memory is short.
 """

@@ -14,6 +14,7 @@ import logging
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import get_args
 
 import numpy as np
 
@@ -23,7 +24,7 @@ from guardrails.detectors.injection import (
     heuristic_hits,
 )
 from guardrails.train_injection import DATA_DIR, embed_chunked, load_rows
-from retrieval.encoder import SentenceEncoder
+from retrieval.encoder import Backend, SentenceEncoder
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ def main() -> None:
     parser.add_argument("--eval", type=Path, default=DATA_DIR / "injection_eval.jsonl")
     parser.add_argument("--artifact", type=Path, default=DEFAULT_ARTIFACT)
     parser.add_argument("--threshold", type=float, default=None, help="default: the artifact's chosen threshold")
-    parser.add_argument("--backend", choices=["onnx-int8", "torch", "onnx"], default="onnx-int8",
+    parser.add_argument("--backend", choices=get_args(Backend), default="onnx-int8",
                         help="encoder runtime; the guardrails' default is onnx-int8 (needs --model-dir from make models)")
     parser.add_argument("--model-dir", type=Path, default=None)
     args = parser.parse_args()

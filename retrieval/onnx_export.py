@@ -25,6 +25,7 @@ import logging
 import os
 import tempfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -84,12 +85,9 @@ def export_onnx(model_dir: Path | str) -> Path:
     # whose outputs no longer match a freshly loaded one.
     with torch.inference_mode():
         want = model(**probes).last_hidden_state.numpy()
-    out = onnx_path(model_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=".model.", suffix=".onnx", dir=out.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
+    feed = {n: probes[n].numpy() for n in names}
+
+    def export(tmp: Path) -> None:
         # The tracer warns about every Python branch on a shape; the probe check below is
         # what tells whether the graph is right.
         with torch.inference_mode(), warnings.catch_warnings():
@@ -104,39 +102,43 @@ def export_onnx(model_dir: Path | str) -> Path:
                 opset_version=17,
                 dynamo=False,
             )
-        feed = {n: probes[n].numpy() for n in names}
         _check_against_torch(tmp, feed, want)
-        tmp.chmod(0o644)  # mkstemp makes it private; replicas may run as another user
-        tmp.replace(out)
-    finally:
-        tmp.unlink(missing_ok=True)
-    logger.info("exported %s", out)
-    _quantize(out, onnx_path(model_dir, quantized=True), feed, want)
-    return out
 
+    out = _write_checked(onnx_path(model_dir), export)
 
-def _quantize(source: Path, out: Path, feed: dict[str, np.ndarray], want: np.ndarray) -> None:
-    from onnxruntime.quantization import QuantType, quantize_dynamic
+    def quantize(tmp: Path) -> None:
+        from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    fd, tmp_name = tempfile.mkstemp(prefix=".model_qint8.", suffix=".onnx", dir=out.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
         # Per-channel weights: per-tensor int8 drifts to cosine 0.75 on some texts (measured).
-        quantize_dynamic(source, tmp, weight_type=QuantType.QInt8, per_channel=True)
+        quantize_dynamic(out, tmp, weight_type=QuantType.QInt8, per_channel=True)
         got = _run(tmp, feed)
         mask = feed["attention_mask"][:, :, None].astype(np.float32)
         cosine = _rows_cosine((want * mask).sum(1), (got * mask).sum(1))
         if float(cosine.min()) < MIN_QUANTIZED_COSINE:
             raise RuntimeError(
-                f"the int8 export of {source.parent.parent} is too far from float32 "
+                f"the int8 export of {model_dir} is too far from float32 "
                 f"(lowest sentence cosine {cosine.min():.4f} < {MIN_QUANTIZED_COSINE})"
             )
-        tmp.chmod(0o644)
+
+    _write_checked(onnx_path(model_dir, quantized=True), quantize)
+    return out
+
+
+def _write_checked(out: Path, write: Callable[[Path], None]) -> Path:
+    """Run ``write`` (which writes and checks a graph) into a temporary sibling of ``out``,
+    then rename it into place: a failed check or an interrupted export leaves no graph."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{out.stem}.", suffix=".onnx", dir=out.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        write(tmp)
+        tmp.chmod(0o644)  # mkstemp makes it private; replicas may run as another user
         tmp.replace(out)
     finally:
         tmp.unlink(missing_ok=True)
     logger.info("exported %s", out)
+    return out
 
 
 def _run(path: Path, feed: dict[str, np.ndarray]) -> np.ndarray:
