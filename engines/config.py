@@ -1,8 +1,10 @@
-"""Typed per-model configuration, read from one YAML file per model in ``configs/models``.
+"""What the engine layer needs to know about a model: where the weights come from, how vLLM
+runs, where Ray places it, how many replicas. Nothing about policy.
 
-Every section forbids unknown keys, so a typo fails at load time with the file, the key
-and the reason instead of being silently ignored. ``engine.kwargs`` is the one open
-mapping: it is handed to vLLM's engine arguments untouched, and vLLM validates it.
+A model file (``configs/models/*.yaml``) holds this and the model's policies; its schema lives
+above this package (``gateway.model_file``), which hands ``EngineSpec`` down here. Every section
+forbids unknown keys, so a typo fails at load time with the file, the key and the reason.
+``engine.kwargs`` is the one open mapping: it is handed to vLLM untouched, and vLLM validates it.
 """
 
 from __future__ import annotations
@@ -13,9 +15,6 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-
-from guardrails.config import GuardrailPolicy
-from retrieval.config import RetrievalPolicy
 
 
 class StrictModel(BaseModel):
@@ -109,22 +108,15 @@ class Scaling(StrictModel):
     max_ongoing_requests: int = Field(64, ge=1)
 
 
-class ModelConfig(StrictModel):
-    """One served model: what clients call it, where it comes from, how it runs."""
+class EngineSpec(StrictModel):
+    """One served model as the engine layer sees it: its name, weights, engine, placement and
+    replicas. A change to any of these replaces the model's ``LLMServer`` replicas."""
 
     model_id: str = Field(..., min_length=1, description="the name clients pass as `model`")
     source: ModelSource
     engine: EngineSettings = EngineSettings()
     placement: Placement = Placement()
     deployment: Scaling = Scaling()
-    # Chat-path policies. The gateway re-reads them while serving (no restart); a file
-    # without a section gets the stage switched off.
-    guardrails: GuardrailPolicy = Field(default_factory=lambda: GuardrailPolicy(enabled=False))
-    retrieval: RetrievalPolicy = Field(default_factory=RetrievalPolicy)
-
-    def engine_fingerprint(self) -> str:
-        """What a change to needs an engine restart for: everything but the policies."""
-        return self.model_dump_json(include={"model_id", "source", "engine", "placement", "deployment"})
 
 
 def format_validation_error(path: Path, exc: ValidationError) -> str:
@@ -145,12 +137,3 @@ def read_yaml(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     return data
-
-
-def load_model_config(path: str | Path) -> ModelConfig:
-    """Read one model YAML file; raises ConfigError naming the file, key and reason."""
-    path = Path(path)
-    try:
-        return ModelConfig.model_validate(read_yaml(path))
-    except ValidationError as exc:
-        raise ConfigError(format_validation_error(path, exc)) from None

@@ -13,7 +13,7 @@ from typing import Any
 from ray.serve.deployment import Application
 from ray.serve.llm import LLMConfig, build_llm_deployment
 
-from engines.config import ModelConfig
+from engines.config import EngineSpec
 
 # The LLMServer replica actor itself only relays requests to the engine process,
 # which owns the real CPU or GPU bundle; reserving a whole core for the relay would
@@ -21,7 +21,7 @@ from engines.config import ModelConfig
 REPLICA_ACTOR_CPUS = 0.0
 
 
-def placement_group_config(model: ModelConfig) -> dict[str, Any]:
+def placement_group_config(model: EngineSpec) -> dict[str, Any]:
     """One bundle per engine worker (tensor x pipeline parallel ranks).
 
     Ray merges the replica actor's own resources into the first bundle, so the result
@@ -38,7 +38,7 @@ def placement_group_config(model: ModelConfig) -> dict[str, Any]:
     return {"bundles": [dict(bundle) for _ in range(p.world_size)], "strategy": p.strategy}
 
 
-def deployment_config(model: ModelConfig) -> dict[str, Any]:
+def deployment_config(model: EngineSpec) -> dict[str, Any]:
     scaling = model.deployment
     config: dict[str, Any] = {
         "max_ongoing_requests": scaling.max_ongoing_requests,
@@ -51,7 +51,7 @@ def deployment_config(model: ModelConfig) -> dict[str, Any]:
     return config
 
 
-def llm_config(model: ModelConfig, models_dir: Path) -> LLMConfig:
+def llm_config(model: EngineSpec, models_dir: Path) -> LLMConfig:
     """The Ray Serve LLM config for one model."""
     p = model.placement
     engine_kwargs = dict(model.engine.kwargs)
@@ -76,7 +76,7 @@ def llm_config(model: ModelConfig, models_dir: Path) -> LLMConfig:
 
 
 def build_engine_deployment(
-    model: ModelConfig, models_dir: Path, *, engine_cls: type | None = None
+    model: EngineSpec, models_dir: Path, *, engine_cls: type | None = None
 ) -> Application:
     """A bound ``LLMServer`` deployment for ``model``.
 

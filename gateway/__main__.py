@@ -2,6 +2,7 @@
 
     python -m gateway run --config configs/gateway.yaml [--port 8000] [--address auto]
     python -m gateway check --config configs/gateway.yaml     # validate configs only
+    python -m gateway keys add alice --file keys.yaml           # create an API key
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def _run(args: argparse.Namespace) -> int:
     from gateway.config import load_config
 
     config = load_config(args.config, **overrides)
+    config.check_auth()
     missing = [m.model_id for m in config.models if m.source.embedded and not (config.models_dir / m.source.embedded).is_dir()]
     if missing:
         print(f"error: models {missing} are not prepared in {config.models_dir}; run `make models`", file=sys.stderr)
@@ -84,6 +86,13 @@ def _run(args: argparse.Namespace) -> int:
         url = f"http://{config.gateway.host}:{config.gateway.port}/v1"
         print(f"gateway ready in {time.monotonic() - started:.0f}s, listening on {url}", flush=True)
         print(f"serving models: {ids}", flush=True)
+        if not _auth_configured(config):
+            print(
+                "WARNING: AUTH IS OFF. No API keys are configured, so anyone who can reach "
+                f"{config.gateway.host}:{config.gateway.port} acts as the operator. Configure auth.keys_file "
+                "(python -m gateway keys add NAME) before exposing the gateway.",
+                flush=True,
+            )
         if config.gateway.embedding.enabled:
             print(f"embedding model: {config.gateway.embedding.model_id}", flush=True)
         stop.wait()
@@ -112,6 +121,40 @@ def _dots_while_waiting():
     return done.set
 
 
+def _auth_configured(config) -> bool:
+    from gateway.auth import env_principals
+
+    auth = config.gateway.auth
+    return config.keys_file is not None or bool(auth.api_keys_env and env_principals(auth.api_keys_env))
+
+
+def _keys(args: argparse.Namespace) -> int:
+    """Add a principal (or a second key for one, to rotate) to a keys file; print the key once."""
+    from pathlib import Path
+
+    import yaml
+
+    from gateway.auth import key_digest, new_key, read_keys_file
+
+    path = Path(args.file)
+    data = yaml.safe_load(path.read_text()) if path.exists() else None
+    data = data or {"principals": []}
+    key = new_key()
+    entry = next((p for p in data["principals"] if p.get("name") == args.name), None)
+    if entry is None:
+        entry = {"name": args.name, "key_sha256": [], "scopes": args.scopes.split(","), "models": args.models.split(",")}
+        data["principals"].append(entry)
+    digests = entry.get("key_sha256") or []
+    entry["key_sha256"] = ([digests] if isinstance(digests, str) else list(digests)) + [key_digest(key)]
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(yaml.safe_dump(data, sort_keys=False))
+    os.chmod(tmp, 0o600)
+    read_keys_file(tmp)  # never write a file the gateway would refuse
+    os.replace(tmp, path)
+    print(f"added a key for {args.name} to {path}; it is shown only now:\n{key}")
+    return 0
+
+
 def _check(args: argparse.Namespace) -> int:
     from gateway.config import load_config
 
@@ -133,11 +176,19 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--num-cpus", type=float, help="CPUs a local Ray may place (default: cores + 2)")
     check = sub.add_parser("check", help="validate the configuration files and exit")
     check.add_argument("--config", default="configs/gateway.yaml")
+    keys = sub.add_parser("keys", help="manage the API keys file")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
+    add = keys_sub.add_parser("add", help="create a key for a principal (new, or a second key to rotate)")
+    add.add_argument("name")
+    add.add_argument("--file", required=True, help="the keys file (auth.keys_file)")
+    add.add_argument("--scopes", default="chat,documents", help="comma-separated: chat, documents, admin")
+    add.add_argument("--models", default="*", help="comma-separated model ids, or * for all")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    commands = {"run": _run, "check": _check, "keys": _keys}
     try:
-        return _run(args) if args.command == "run" else _check(args)
-    except ConfigError as exc:
+        return commands[args.command](args)
+    except (ConfigError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

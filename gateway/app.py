@@ -30,8 +30,9 @@ def build_gateway(config: LoadedConfig, *, engine_cls: type | None = None) -> Ap
     ``engine_cls`` swaps vLLM for another ``LLMEngine`` (the test tier's scripted engine).
     """
     gw = config.gateway
+    config.check_auth()
     engines = {
-        model.model_id: build_engine_deployment(model, config.models_dir, engine_cls=engine_cls)
+        model.model_id: build_engine_deployment(model.engine_spec(), config.models_dir, engine_cls=engine_cls)
         for model in config.models
     }
     embedder = retriever = guard = None
@@ -74,6 +75,7 @@ def build_gateway(config: LoadedConfig, *, engine_cls: type | None = None) -> Ap
         guard=guard,
         retriever=retriever,
         embedder=embedder,
+        keys_file=str(config.keys_file) if config.keys_file else None,
     )
 
 

@@ -1,8 +1,12 @@
 """The chat path's stages before the engine: input rails, then retrieval.
 
 Each function takes the collaborator it calls (a deployment handle), the model's current
-policy and the parsed request, and either raises an ``APIError`` (the request is refused)
-or rewrites the request in place. ``Gateway.chat_completions`` calls them in order.
+policy and the request, and either raises an ``APIError`` (the request is refused) or
+rewrites the request in place. ``Gateway.chat_completions`` calls them in order.
+
+The input rails read the request as the client sent it (the JSON body), so every string a
+client controls is found wherever it sits: any role's content, content parts, names, tool
+calls and their arguments, reasoning fields, tool definitions and template arguments.
 """
 
 from __future__ import annotations
@@ -18,85 +22,133 @@ from gateway.retrieval_routes import call
 from guardrails.config import GuardrailPolicy
 from retrieval.config import RetrievalPolicy
 from retrieval.records import Passage
+from retrieval.tenancy import Caller
 
 logger = logging.getLogger(__name__)
 
-# Messages whose text comes from people or tools rather than from the operator.
-CHECKED_ROLES = frozenset({"user", "tool", "function"})
+# Keys whose string values are structure, not text that reaches the prompt.
+_STRUCTURAL_KEYS = frozenset({"role", "type"})
+# Content part types the rails can read; a guarded model refuses the others (images, audio,
+# files), since their content would reach the engine unchecked.
+_TEXT_PART_TYPES = frozenset({"text", "refusal", "input_text", "output_text"})
+# Top-level request fields whose strings a chat template may render into the prompt.
+_PROMPT_FIELDS = ("tools", "functions", "tool_choice", "documents", "chat_template_kwargs", "response_format")
+# Fields that change how the prompt is built in ways no text rail can judge.
+_UNCHECKABLE_FIELDS = ("chat_template", "prompt_embeds", "mm_processor_kwargs")
 
 
 @dataclass
-class _TextSlot:
-    """Where one piece of message text lives, so a redaction can be written back."""
+class TextSlot:
+    """One client-written string anywhere in a request, so a redaction can be written back.
+    ``role`` is the message's role, or the request field's name outside ``messages``."""
 
-    message: dict[str, Any]
-    part: dict[str, Any] | None  # a content part, or None for string content
+    container: Any  # the dict or list holding the string
+    key: str | int
     role: str
 
     def get(self) -> str:
-        return self.part["text"] if self.part is not None else self.message["content"]
+        return self.container[self.key]
 
     def set(self, text: str) -> None:
-        if self.part is not None:
-            self.part["text"] = text
-        else:
-            self.message["content"] = text
+        self.container[self.key] = text
 
 
-def _text_slots(messages: list[dict[str, Any]]) -> list[_TextSlot]:
-    slots = []
-    for message in messages:
+def _strings(value: Any, role: str, out: list[TextSlot]) -> None:
+    """Every non-empty string inside ``value`` (dicts and lists walked), as slots."""
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if isinstance(item, str):
+            if item and key not in _STRUCTURAL_KEYS:
+                out.append(TextSlot(value, key, role))
+        elif isinstance(item, (dict, list)):
+            _strings(item, role, out)
+
+
+def _unreadable(field: str, what: str) -> APIError:
+    return bad_request(
+        f"This model's guardrails check text and cannot check {what}; remove '{field}'.",
+        param=field,
+        code="unsupported_by_guardrails",
+    )
+
+
+def chat_texts(data: dict[str, Any]) -> list[TextSlot]:
+    """Every text of a chat request that a client controls and a template can put into the
+    prompt, whatever the role. Parts and fields the rails cannot read are refused (400)."""
+    for name in _UNCHECKABLE_FIELDS:
+        if data.get(name) is not None:
+            raise _unreadable(name, "custom templates, embeddings or processor arguments")
+    slots: list[TextSlot] = []
+    for i, message in enumerate(data.get("messages") or []):
         content = message.get("content")
-        if isinstance(content, str):
-            slots.append(_TextSlot(message, None, message["role"]))
-        elif isinstance(content, list):
-            slots.extend(
-                _TextSlot(message, part, message["role"])
-                for part in content
-                if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
-            )
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if isinstance(part, dict) and part.get("type") not in _TEXT_PART_TYPES:
+                    raise _unreadable(f"messages[{i}].content[{j}]", f"{part.get('type')!r} content parts")
+        _strings(message, str(message.get("role", "")), slots)
+    for name in _PROMPT_FIELDS:
+        value = data.get(name)
+        if isinstance(value, str):
+            if value:
+                slots.append(TextSlot(data, name, name))
+        elif value is not None:
+            _strings(value, name, slots)
     return slots
 
 
-def blocked_error(verdict) -> APIError:
+def completion_texts(data: dict[str, Any]) -> list[TextSlot]:
+    """The prompt (a string or strings) and suffix of a completions request. Token-id prompts
+    and prompt embeddings cannot be read by text rails, so a guarded model refuses them."""
+    if data.get("prompt_embeds") is not None:
+        raise _unreadable("prompt_embeds", "prompt embeddings")
+    prompt = data.get("prompt")
+    if isinstance(prompt, str):
+        slots = [TextSlot(data, "prompt", "user")]
+    elif isinstance(prompt, list) and all(isinstance(t, str) for t in prompt):
+        slots = [TextSlot(prompt, i, "user") for i in range(len(prompt))]
+    else:
+        raise bad_request(
+            "This model's guardrails check text; send 'prompt' as a string or an array of strings.",
+            param="prompt",
+            code="invalid_value",
+        )
+    if isinstance(data.get("suffix"), str) and data["suffix"]:
+        slots.append(TextSlot(data, "suffix", "user"))
+    return slots
+
+
+def blocked_error(verdict, param: str = "messages") -> APIError:
     code = verdict.code.value if verdict.code else "guardrail_blocked"
-    return APIError(400, f"The request was blocked by the {verdict.rail} guardrail: {verdict.reason}.", param="messages", code=code)
+    return APIError(400, f"The request was blocked by the {verdict.rail} guardrail: {verdict.reason}.", param=param, code=code)
 
 
-async def input_rails(guard: DeploymentHandle, model_id: str, policy: GuardrailPolicy, messages: list[dict[str, Any]]) -> None:
-    """Size limits over every message; PII, injection and denied topics over what users and
-    tools wrote. Blocks with a 400 naming the policy, or rewrites redacted text in place."""
-    slots = _text_slots(messages)
-    checked = [s for s in slots if s.role in CHECKED_ROLES]
+async def input_rails(
+    guard: DeploymentHandle, model_id: str, policy: GuardrailPolicy, slots: list[TextSlot], *, param: str = "messages"
+) -> bool:
+    """Size limits over every text; PII, injection and denied topics over every text whose
+    role the policy does not exempt. Blocks with a 400 naming the policy, or writes the
+    redacted texts back into the request and returns True."""
+    checked = [s for s in slots if s.role not in policy.exempt_roles]
     try:
-        decision = await guard.check_input.remote(model_id, policy, [s.get() for s in checked], [s.get() for s in slots])
+        instructions = [s.role in policy.injection.instruction_roles for s in checked]
+        decision = await guard.check_input.remote(
+            model_id, policy, [s.get() for s in checked], [s.get() for s in slots], instructions
+        )
     except Exception as exc:
         # The guardrails deployment itself failed: fail closed unless the policy says otherwise.
         logger.error("guardrails unavailable for %s: %s", model_id, type(exc).__name__)
         if policy.fail_open:
-            return
-        raise APIError(503, "The guardrails service is unavailable; try again shortly.", type=UNAVAILABLE, code="guardrails_unavailable") from None
+            return False
+        raise APIError(
+            503, "The guardrails service is unavailable; try again shortly.", type=UNAVAILABLE, code="guardrails_unavailable"
+        ) from None
     if decision.verdict.blocked:
-        raise blocked_error(decision.verdict)
-    if decision.verdict.redacted:
-        for slot, text in zip(checked, decision.texts):
-            slot.set(text)
-
-
-async def completion_input_rails(guard: DeploymentHandle, model_id: str, policy: GuardrailPolicy, prompt: Any) -> Any:
-    """The input rails for ``/v1/completions``: a prompt string or list of strings is checked
-    like user messages. Token-id prompts cannot be read by the rails, so a guarded model
-    refuses them rather than let them pass unchecked."""
-    texts = [prompt] if isinstance(prompt, str) else prompt
-    if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
-        raise bad_request(
-            "This model's guardrails check text; send 'prompt' as a string or an array of strings.",
-            param="prompt", code="invalid_value",
-        )
-    messages = [{"role": "user", "content": t} for t in texts]
-    await input_rails(guard, model_id, policy, messages)
-    checked = [m["content"] for m in messages]
-    return checked[0] if isinstance(prompt, str) else checked
+        raise blocked_error(decision.verdict, param)
+    if not decision.verdict.redacted:
+        return False
+    for slot, text in zip(checked, decision.texts):
+        slot.set(text)
+    return True
 
 
 @dataclass(frozen=True)
@@ -119,19 +171,51 @@ class RetrievalRequest:
             raise bad_request(f"Unrecognized retrieval option: {unknown[0]}", param=f"retrieval.{unknown[0]}", code="unknown_parameter")
         override = {k for k in ("enabled", "collections", "top_k") if k in raw}
         if override and not policy.allow_request_override:
-            raise bad_request("This model's retrieval policy does not allow requests to change it.", param="retrieval", code="retrieval_override_not_allowed")
+            raise bad_request(
+                "This model's retrieval policy does not allow requests to change it.",
+                param="retrieval",
+                code="retrieval_override_not_allowed",
+            )
         collections = raw.get("collections")
-        if collections is not None and (not isinstance(collections, list) or not all(isinstance(c, str) for c in collections)):
-            raise bad_request("'retrieval.collections' must be an array of vector store ids or names.", param="retrieval.collections", code="invalid_value")
+        if collections is not None and (
+            not isinstance(collections, list) or not all(isinstance(c, str) for c in collections) or len(collections) > 16
+        ):
+            raise bad_request(
+                "'retrieval.collections' must be an array of at most 16 vector store ids or names.",
+                param="retrieval.collections",
+                code="invalid_value",
+            )
         top_k = raw.get("top_k")
         if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= 50):
             raise bad_request("'retrieval.top_k' must be an integer from 1 to 50.", param="retrieval.top_k", code="invalid_value")
-        return cls(raw.get("enabled"), collections, top_k, bool(raw.get("return_sources", False)))
+        return_sources = raw.get("return_sources", False)
+        if not isinstance(return_sources, bool):
+            raise bad_request("'retrieval.return_sources' must be a boolean.", param="retrieval.return_sources", code="invalid_value")
+        return cls(raw.get("enabled"), collections, top_k, return_sources)
 
 
 def source_of(p: Passage) -> dict[str, Any]:
     """A retrieved passage as returned to clients who ask for sources."""
-    return {"vector_store_id": p.vector_store_id, "file_id": p.file_id, "filename": p.filename, "chunk_index": p.chunk_index, "score": round(p.score, 4)}
+    return {
+        "vector_store_id": p.vector_store_id,
+        "file_id": p.file_id,
+        "filename": p.filename,
+        "chunk_index": p.chunk_index,
+        "score": round(p.score, 4),
+    }
+
+
+def last_user_text(messages: list[dict[str, Any]]) -> str:
+    """The retrieval query: the text of the last user message that has any."""
+    for message in reversed(messages):
+        if message.get("role") != "user":
+            continue
+        content = message.get("content")
+        if isinstance(content, list):
+            content = " ".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+        if isinstance(content, str) and content.strip():
+            return content
+    return ""
 
 
 async def retrieval(
@@ -142,31 +226,27 @@ async def retrieval(
     guard_policy: GuardrailPolicy,
     request: RetrievalRequest,
     messages: list[dict[str, Any]],
+    caller: Caller,
 ) -> list[Passage]:
     """Find passages for the last user message and put them in a system message at the
-    start of the conversation. Returns the passages used (for sources)."""
+    start of the conversation. Returns the passages used (for sources).
+
+    The policy's stores are the operator's (by id, or by a name among the operator's own
+    stores); a request may name only its caller's stores or the policy's.
+    """
     enabled = policy.enabled if request.enabled is None else request.enabled
-    collections = request.collections or policy.collections
-    if not enabled or not collections:
+    if not enabled or not (request.collections or policy.collections):
         return []
-    query = next((s.get() for s in reversed(_text_slots(messages)) if s.role == "user" and s.get().strip()), "")
+    query = last_user_text(messages)
     if not query:
         return []
-    # Stores a request names must exist (404 otherwise); stores the policy names may not
-    # have been created yet, and chat goes on without them.
     passages: list[Passage] = await call(
-        retriever.retrieve.remote(collections, query, request.top_k or policy.top_k, policy.min_score, skip_missing=not request.collections)
+        retriever.retrieve.remote(
+            policy.collections, request.collections, query, request.top_k or policy.top_k, policy.min_score, caller=caller
+        )
     )
     if passages and guard is not None and guard_policy.enabled:
-        verdicts = await guard.check_passages.remote(model_id, guard_policy, [p.text for p in passages])
-        kept = []
-        for p, v in zip(passages, verdicts):
-            if v.blocked:
-                # A poisoned document must not take the whole conversation down: drop it.
-                logger.warning("dropped a retrieved passage of %s/%s: %s", p.vector_store_id, p.file_id, v.code)
-                continue
-            kept.append(p if not v.redacted or v.text is None else _with_text(p, v.text))
-        passages = kept
+        passages = await _checked_passages(guard, model_id, guard_policy, passages)
     if not passages:
         return []
     # Canonical order (not score order), so the same passages always render the same
@@ -176,5 +256,22 @@ async def retrieval(
     return passages
 
 
-def _with_text(p: Passage, text: str) -> Passage:
-    return replace(p, text=text)
+async def _checked_passages(guard: DeploymentHandle, model_id: str, policy: GuardrailPolicy, passages: list[Passage]) -> list[Passage]:
+    """The same rails on what retrieval found: each passage's text and the filename placed
+    beside it. A passage that fails either is dropped (a poisoned document must not take the
+    whole conversation down); a redaction is applied."""
+    texts = [t for p in passages for t in (p.text, p.filename)]
+    verdicts = await guard.check_passages.remote(model_id, policy, texts)
+    kept = []
+    for i, p in enumerate(passages):
+        text_v, name_v = verdicts[2 * i], verdicts[2 * i + 1]
+        if text_v.blocked or name_v.blocked:
+            code = (text_v if text_v.blocked else name_v).code
+            logger.warning("dropped a retrieved passage of %s/%s: %s", p.vector_store_id, p.file_id, code)
+            continue
+        if text_v.redacted and text_v.text is not None:
+            p = replace(p, text=text_v.text)
+        if name_v.redacted and name_v.text is not None:
+            p = replace(p, filename=name_v.text)
+        kept.append(p)
+    return kept

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,7 +10,8 @@ from typing import Literal
 
 from pydantic import Field, ValidationError, model_validator
 
-from engines.config import ConfigError, ModelConfig, StrictModel, format_validation_error, load_model_config, read_yaml
+from engines.config import ConfigError, StrictModel, format_validation_error, read_yaml
+from gateway.model_file import ModelFile, load_model_file
 from engines.provision import default_models_dir
 from retrieval.config import ChunkingConfig, EmbeddingModelConfig, IndexConfig
 
@@ -24,17 +26,13 @@ class IngressSettings(StrictModel):
 
 
 class AuthSettings(StrictModel):
-    """Bearer keys come from the environment or a file, never from this YAML."""
+    """Who may call the gateway. Keys come from a keys file (SHA-256 digests, principals with
+    scopes, re-read when it changes) or an environment variable, never from this YAML."""
 
-    api_keys_env: str = "GATEWAY_API_KEYS"  # comma-separated keys
-    api_keys_file: str | None = None  # one key per line
-
-    def load_keys(self) -> frozenset[str]:
-        keys = [k.strip() for k in os.environ.get(self.api_keys_env, "").split(",")]
-        if self.api_keys_file:
-            path = Path(os.path.expandvars(self.api_keys_file)).expanduser()
-            keys += [line.strip() for line in path.read_text().splitlines()]
-        return frozenset(k for k in keys if k and not k.startswith("#"))
+    keys_file: str | None = Field(None, description="principals file (see README); relative to this file")
+    api_keys_env: str | None = "GATEWAY_API_KEYS"  # comma-separated `name=key` or keys, every scope
+    # Serving without any key is allowed on a loopback address only, unless this says otherwise.
+    allow_unauthenticated: bool = False
 
 
 class EmbeddingSettings(StrictModel):
@@ -98,6 +96,19 @@ class GatewayConfig(StrictModel):
             raise ValueError("a model file is listed twice")
         return self
 
+    @property
+    def loopback(self) -> bool:
+        return is_loopback(self.host)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
 
 @dataclass(frozen=True)
 class LoadedConfig:
@@ -105,7 +116,7 @@ class LoadedConfig:
 
     path: Path
     gateway: GatewayConfig
-    models: tuple[ModelConfig, ...]
+    models: tuple[ModelFile, ...]
     model_files: tuple[Path, ...]  # the file each model was read from, in the same order
 
     @property
@@ -113,6 +124,24 @@ class LoadedConfig:
         if self.gateway.models_dir:
             return self.resolve(self.gateway.models_dir)
         return default_models_dir().resolve()
+
+    @property
+    def keys_file(self) -> Path | None:
+        return self.resolve(self.gateway.auth.keys_file) if self.gateway.auth.keys_file else None
+
+    def check_auth(self) -> None:
+        """Refuse to serve a non-loopback address with no keys unless the config says so.
+        Reads the environment of the process that calls it (the CLI, and each ingress replica)."""
+        from gateway.auth import env_principals
+
+        auth = self.gateway.auth
+        has_keys = self.keys_file is not None or bool(auth.api_keys_env and env_principals(auth.api_keys_env))
+        if not has_keys and not self.gateway.loopback and not auth.allow_unauthenticated:
+            raise ConfigError(
+                f"{self.path}: host {self.gateway.host!r} is not a loopback address and no API keys are configured "
+                "(auth.keys_file or the auth.api_keys_env variable); set auth.allow_unauthenticated: true "
+                "to serve it without authentication anyway"
+            )
 
     def resolve(self, relative: str) -> Path:
         """A path from this config, relative to the config file's folder."""
@@ -129,9 +158,10 @@ def load_config(path: str | Path, **overrides) -> LoadedConfig:
     except ValidationError as exc:
         raise ConfigError(format_validation_error(path, exc)) from None
     model_files = tuple((path.parent / f).resolve() for f in gateway.models)
-    models = tuple(load_model_config(f) for f in model_files)
+    models = tuple(load_model_file(f) for f in model_files)
     ids = [m.model_id for m in models]
-    duplicates = sorted({i for i in ids if ids.count(i) > 1})
+    names = ids + [a for m in models for a in m.aliases] + [gateway.embedding.model_id]
+    duplicates = sorted({i for i in names if names.count(i) > 1})
     if duplicates:
-        raise ConfigError(f"{path}: model_id {duplicates} is served by more than one model file")
+        raise ConfigError(f"{path}: model name {duplicates} is used by more than one model (ids and aliases must be unique)")
     return LoadedConfig(path=path, gateway=gateway, models=models, model_files=model_files)

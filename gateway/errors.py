@@ -14,6 +14,7 @@ from starlette.responses import Response
 
 INVALID_REQUEST = "invalid_request_error"
 AUTHENTICATION = "authentication_error"
+PERMISSION = "permission_error"
 NOT_FOUND = "not_found_error"
 SERVER = "server_error"
 UNAVAILABLE = "service_unavailable_error"

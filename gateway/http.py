@@ -1,11 +1,16 @@
-"""The FastAPI app every route hangs on, and the handlers that turn any failure into
-OpenAI's error body."""
+"""The FastAPI app every route hangs on, the checks in front of every route, and the
+handlers that turn any failure into OpenAI's error body.
+
+Authentication is a dependency of the app itself, so every route gets it, including routes
+added later: a route is public only if its path is in ``PUBLIC_PATHS``.
+"""
 
 from __future__ import annotations
 
 import logging
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
+from ray import serve
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
@@ -14,7 +19,24 @@ from gateway.errors import NOT_FOUND, APIError, bad_request, error_response, int
 
 logger = logging.getLogger(__name__)
 
-app = FastAPI(title="LLM gateway", docs_url=None, redoc_url=None, openapi_url=None)
+# Liveness answers without a key (load balancers and Serve's probes carry none).
+PUBLIC_PATHS = frozenset({"/health"})
+
+
+async def authenticate(request: Request) -> None:
+    """Put the caller's ``Principal`` on ``request.state.principal``, or refuse with 401.
+
+    The keys live in the ingress replica (the servable object Serve routes this request to).
+    """
+    if request.url.path in PUBLIC_PATHS:
+        return
+    gateway = serve.get_replica_context().servable_object
+    request.state.principal = gateway.keys.authenticate(request.headers.get("authorization"))
+
+
+app = FastAPI(
+    title="LLM gateway", docs_url=None, redoc_url=None, openapi_url=None, dependencies=[Depends(authenticate)]
+)
 
 
 @app.exception_handler(APIError)

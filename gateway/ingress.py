@@ -20,21 +20,24 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.responses import Response
 
-from engines.config import ModelConfig
-from gateway import chat_stages
+from gateway import chat_stages, request_policy
+from gateway.auth import KeyRing, Principal
 from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient
-from gateway.errors import AUTHENTICATION, APIError, JSONBytesResponse, model_not_found
+from gateway.errors import JSONBytesResponse, bad_request, model_not_found
 from gateway.http import app
-from gateway.output_stage import OutputRail, guard_response
+from gateway.output_stage import OutputRail, guard_response, refuse_unguardable
+from gateway.model_file import ModelFile, ModelPolicy
 from gateway.policies import PolicyStore
 from gateway.protocol import parse_chat_request, parse_completion_request, read_json_body, split_extensions
-from gateway.retrieval_routes import RetrievalRoutes
+from gateway.retrieval_routes import RetrievalRoutes, retrieval_caller
 from guardrails.deployment import ExportedRailMetrics
 
 logger = logging.getLogger(__name__)
 
 SOURCES_HEADER = "X-Retrieval-Sources"
+# The version of the model config that produced a response (see ModelFile.policy).
+CONFIG_VERSION_HEADER = "X-Config-Version"
 
 
 @serve.deployment(name="Gateway")
@@ -45,11 +48,12 @@ class Gateway(RetrievalRoutes):
     def __init__(
         self,
         engines: dict[str, DeploymentHandle],
-        models: list[tuple[Path, ModelConfig]],
+        models: list[tuple[Path, ModelFile]],
         settings: GatewayConfig,
         guard: DeploymentHandle | None = None,
         retriever: DeploymentHandle | None = None,
         embedder: DeploymentHandle | None = None,
+        keys_file: str | None = None,
     ):
         self._settings = settings
         self._engines = {
@@ -64,74 +68,95 @@ class Gateway(RetrievalRoutes):
         self._output_metrics = ExportedRailMetrics()
         # Keys are read here, in the replica, so they never travel through Serve's
         # deployment arguments (which the controller stores and shows in its state).
-        self._api_keys = settings.auth.load_keys()
+        self.keys = KeyRing(Path(keys_file) if keys_file else None, settings.auth.api_keys_env)
         self._created = int(time.time())
-        if not self._api_keys:
-            logger.warning("no API keys configured (%s): the gateway accepts every request", settings.auth.api_keys_env)
+        if not self.keys.enabled:
+            if not settings.loopback and not settings.auth.allow_unauthenticated:
+                raise RuntimeError(f"refusing to serve {settings.host} without API keys (see auth.allow_unauthenticated)")
+            logger.warning("AUTH IS OFF: no API keys configured; every request acts as the local operator")
         self._reloader = asyncio.get_event_loop().create_task(self._reload_policies())
 
     # --- the request path ---------------------------------------------------------
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
-        self._authorize(request)
+        principal: Principal = request.state.principal
         data = await read_json_body(request, self._settings.max_request_bytes)
         extensions = split_extensions(data)
+        engine, policy = self._route(data, principal)
+        # 0. the model's request defaults and caps, before the request is read
+        request_policy.apply(policy.requests, data, chat=True)
         chat = parse_chat_request(data)
-        engine = self._engine(chat.model)
-        policy = self._policies.get(chat.model)
-        # 1. input rails: refuse (400 naming the policy) or redact before anything else sees the text
+        # 1. input rails over every text the client wrote: refuse (400 naming the policy) or
+        #    redact before anything else sees the text
         if policy.guardrails.enabled and self._guard is not None:
-            await chat_stages.input_rails(self._guard, chat.model, policy.guardrails, chat.messages)
+            if await chat_stages.input_rails(self._guard, chat.model, policy.guardrails, chat_stages.chat_texts(data)):
+                chat = parse_chat_request(data)
         # 2. retrieval: passages (checked by the same rails) go into a leading system message
         wanted = chat_stages.RetrievalRequest.parse(extensions.get("retrieval"), policy.retrieval)
         passages = []
         if self._retriever is not None:
             passages = await chat_stages.retrieval(
-                self._retriever, self._guard, chat.model, policy.retrieval, policy.guardrails, wanted, chat.messages
+                self._retriever, self._guard, chat.model, policy.retrieval, policy.guardrails, wanted, chat.messages,
+                retrieval_caller(principal),
             )
-        sources = [chat_stages.source_of(p) for p in passages]
+        # Sources name documents: sent (as a header) only if the policy or the request asks,
+        # and in the body (an extension field strict clients would not expect) only on request.
+        show_sources = passages and (wanted.return_sources or policy.retrieval.return_sources)
+        sources = [chat_stages.source_of(p) for p in passages] if show_sources else None
         # 3. the engine, with 4. output rails on its stream (or on the whole answer)
         rails = policy.guardrails if policy.guardrails.enabled and policy.guardrails.output.enabled else None
+        if rails:
+            refuse_unguardable(chat)  # token ids instead of text would pass the output rails unread
         return await engine.respond(
             "chat",
             chat,
             event_filter=OutputRail(rails, self._output_metrics, chat=True) if rails else None,
             body_filter=self._body_filter(rails, sources if wanted.return_sources else None, chat=True),
-            # ASCII-only JSON: header values cannot carry raw UTF-8 filenames.
-            headers={SOURCES_HEADER: json.dumps(sources, separators=(",", ":"))} if sources else None,
+            headers={
+                CONFIG_VERSION_HEADER: policy.version,
+                # ASCII-only JSON: header values cannot carry raw UTF-8 filenames.
+                **({SOURCES_HEADER: json.dumps(sources, separators=(",", ":"))} if sources else {}),
+            },
         )
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
-        self._authorize(request)
+        principal: Principal = request.state.principal
         data = await read_json_body(request, self._settings.max_request_bytes)
         split_extensions(data)
+        engine, policy = self._route(data, principal)
+        request_policy.apply(policy.requests, data, chat=False)
         completion = parse_completion_request(data)
-        engine = self._engine(completion.model)
-        guardrails = self._policies.get(completion.model).guardrails
+        guardrails = policy.guardrails
         if guardrails.enabled and self._guard is not None:
-            completion.prompt = await chat_stages.completion_input_rails(
-                self._guard, completion.model, guardrails, completion.prompt
-            )
+            slots = chat_stages.completion_texts(data)
+            if await chat_stages.input_rails(self._guard, completion.model, guardrails, slots, param="prompt"):
+                completion = parse_completion_request(data)
         rails = guardrails if guardrails.enabled and guardrails.output.enabled else None
+        if rails:
+            refuse_unguardable(completion)
         return await engine.respond(
             "completions",
             completion,
             event_filter=OutputRail(rails, self._output_metrics, chat=False) if rails else None,
             body_filter=self._body_filter(rails, None, chat=False),
+            headers={CONFIG_VERSION_HEADER: policy.version},
         )
 
     @app.get("/v1/models")
     async def list_models(self, request: Request) -> Response:
-        self._authorize(request)
+        principal: Principal = request.state.principal
         ids = list(self._engines) + ([self._embedding_model] if self._embedding_model else [])
-        return JSONBytesResponse({"object": "list", "data": [self._model_card(m) for m in ids]})
+        cards = [self._model_card(m) for m in ids if principal.may_use(m)]
+        cards += [self._model_card(alias) for alias, m in self._policies.aliases().items() if principal.may_use(m)]
+        return JSONBytesResponse({"object": "list", "data": cards})
 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(self, model_id: str, request: Request) -> Response:
-        self._authorize(request)
-        if model_id not in self._engines and model_id != self._embedding_model:
+        target = self._policies.aliases().get(model_id, model_id)
+        known = target in self._engines or target == self._embedding_model
+        if not known or not request.state.principal.may_use(target):
             raise model_not_found(model_id)
         return JSONBytesResponse(self._model_card(model_id))
 
@@ -141,11 +166,18 @@ class Gateway(RetrievalRoutes):
 
     # --- helpers ------------------------------------------------------------------
 
-    def _engine(self, model_id: str) -> EngineClient:
+    def _route(self, data: dict, principal: Principal) -> tuple[EngineClient, ModelPolicy]:
+        """The engine and current policy for the request's `model` (an id or an alias, which
+        is rewritten to the id). A model this key may not use looks like one that does not exist."""
+        name = data.get("model")
+        if not isinstance(name, str) or not name:
+            raise bad_request("Missing required parameter: 'model'.", param="model", code="missing_required_parameter")
+        model_id = self._policies.aliases().get(name, name)
         engine = self._engines.get(model_id)
-        if engine is None:
-            raise model_not_found(model_id)
-        return engine
+        if engine is None or not principal.may_use(model_id):
+            raise model_not_found(name)
+        data["model"] = model_id
+        return engine, self._policies.get(model_id)
 
     def _body_filter(self, rails, sources: list[dict] | None, *, chat: bool):
         if rails is None and sources is None:
@@ -162,13 +194,6 @@ class Gateway(RetrievalRoutes):
 
     def _model_card(self, model_id: str) -> dict[str, Any]:
         return {"id": model_id, "object": "model", "created": self._created, "owned_by": "ray-llm-gateway"}
-
-    def _authorize(self, request: Request) -> None:
-        if not self._api_keys:
-            return
-        scheme, _, key = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or key.strip() not in self._api_keys:
-            raise APIError(401, "Incorrect API key provided.", type=AUTHENTICATION, code="invalid_api_key")
 
     async def _reload_policies(self) -> None:
         while True:

@@ -1,57 +1,39 @@
 """Output rails on the engine's answer: streamed chunk by chunk, or on the whole response.
 
-Each choice gets its own ``StreamGuard`` (guardrails/output_rail.py), which holds back a
-bounded window and releases only text no rail objects to. On a block the stream ends with
-``finish_reason: "content_filter"`` and the relay cancels the engine call, so no more tokens
-are computed. The guards run in the ingress: they are pure string checks costing
-microseconds per chunk, where a hop to another deployment would cost milliseconds.
+Every field of every choice that carries generated text (content, reasoning, refusal, tool call
+names and arguments, completion text, and the tokens and alternatives of logprobs) gets its own
+``StreamGuard`` (guardrails/output_rail.py), which holds back a bounded window and releases only
+text no rail objects to; gateway/output_fields.py says how each field is guarded. On a block in
+any choice the stream ends with ``finish_reason: "content_filter"`` and the relay cancels the
+engine call, so no more tokens are computed. The guards run in the ingress: they are pure
+string checks costing microseconds per chunk, where a hop to another deployment would cost
+milliseconds.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from gateway.errors import APIError
+from gateway.output_fields import CONTENT_FILTER, ChoiceGuards
 from guardrails.config import GuardrailPolicy
 from guardrails.metrics import RailMetrics
-from guardrails.output_rail import StreamGuard
 
-CONTENT_FILTER = "content_filter"
+__all__ = ["CONTENT_FILTER", "OutputRail", "guard_response", "refuse_unguardable"]
 
-
-def _chat_text(choice: dict[str, Any]) -> str | None:
-    return (choice.get("delta") or {}).get("content")
-
-
-def _completion_text(choice: dict[str, Any]) -> str | None:
-    return choice.get("text")
+# Request fields that make the engine answer in token ids: generated text no rail can read.
+UNGUARDABLE_FIELDS = ("return_tokens_as_token_ids", "return_token_ids")
 
 
 class OutputRail:
-    """Filters one response stream's events through per-choice StreamGuards."""
+    """Filters one response stream's events through per-choice guards (``ChoiceGuards``)."""
 
     def __init__(self, policy: GuardrailPolicy, metrics: RailMetrics, *, chat: bool):
         self._policy = policy
         self._metrics = metrics
         self._chat = chat
-        self._guards: dict[int, StreamGuard] = {}
+        self._choices: dict[int, ChoiceGuards] = {}
         self.stopped = False  # set once a rail blocked: the relay then cancels the engine
-
-    def _guard(self, index: int) -> StreamGuard:
-        guard = self._guards.get(index)
-        if guard is None:
-            guard = self._guards[index] = StreamGuard.from_policy(self._policy, metrics=self._metrics)
-        return guard
-
-    def _with_text(self, event: dict[str, Any], choice: dict[str, Any], text: str, finish: str | None) -> dict[str, Any]:
-        new_choice = {k: v for k, v in choice.items() if k not in ("delta", "text", "finish_reason")}
-        new_choice["finish_reason"] = finish
-        if self._chat:
-            delta = {k: v for k, v in (choice.get("delta") or {}).items() if k != "content"}
-            delta["content"] = text
-            new_choice["delta"] = delta
-        else:
-            new_choice["text"] = text
-        return {**event, "choices": [new_choice]}
 
     def __call__(self, event: dict[str, Any]) -> list[dict[str, Any]]:
         choices = event.get("choices") or []
@@ -59,43 +41,41 @@ class OutputRail:
             return [] if self.stopped and choices else [event]
         out: list[dict[str, Any]] = []
         for choice in choices:
-            guard = self._guard(choice.get("index", 0))
-            text = (_chat_text if self._chat else _completion_text)(choice)
-            step = guard.push(text) if text else None
-            finish = choice.get("finish_reason")
-            if finish is not None and (step is None or not step.verdict.blocked):
-                done = guard.finish()
-                released = (step.text if step else "") + done.text
-                step = done if done.verdict.blocked else step
-                if done.verdict.blocked:
-                    finish = CONTENT_FILTER
-                out.append(self._with_text(event, choice, released, finish))
-                if finish == CONTENT_FILTER:
-                    self.stopped = True
-                continue
-            if step is not None and step.verdict.blocked:
-                out.append(self._with_text(event, choice, step.text, CONTENT_FILTER))
+            index = choice.get("index", 0)
+            guards = self._choices.get(index)
+            if guards is None:
+                guards = self._choices[index] = ChoiceGuards(self._policy, self._metrics, chat=self._chat)
+            sent = guards.filter(choice)
+            if sent is not None:
+                out.append({**event, "choices": [sent]})
+            if guards.blocked:
+                # One choice blocked: the whole stream ends, and every other open choice with it.
                 self.stopped = True
-                continue
-            if step is None:
-                out.append(event if len(choices) == 1 else {**event, "choices": [choice]})  # e.g. the role chunk
-            elif step.text:
-                out.append(self._with_text(event, choice, step.text, None))
+                out += [{**event, "choices": [self._ended(i)]} for i, g in self._choices.items() if not g.finished]
+                break
         return out
+
+    def _ended(self, index: int) -> dict[str, Any]:
+        body: dict[str, Any] = {"delta": {}} if self._chat else {"text": ""}
+        return {"index": index, **body, "logprobs": None, "finish_reason": CONTENT_FILTER}
 
 
 def guard_response(body: dict[str, Any], policy: GuardrailPolicy, metrics: RailMetrics, *, chat: bool) -> dict[str, Any]:
     """The same rails on a non-streaming response: blocked text is cut at the violation."""
     for choice in body.get("choices", []):
-        guard = StreamGuard.from_policy(policy, metrics=metrics)
-        holder: dict[str, Any] = choice["message"] if chat else choice
-        key = "content" if chat else "text"
-        text = holder.get(key)
-        if not text:
-            continue
-        first = guard.push(text)
-        last = guard.finish() if not first.verdict.blocked else first
-        holder[key] = first.text + (last.text if last is not first else "")
-        if last.verdict.blocked:
-            choice["finish_reason"] = CONTENT_FILTER
+        ChoiceGuards(policy, metrics, chat=chat).guard_whole(choice)
     return body
+
+
+def refuse_unguardable(request: Any) -> None:
+    """400 when a request asks for generated text as token ids, on a model whose output rails
+    are on: the rails read text, so ids would carry past them whatever the policy forbids."""
+    for name in UNGUARDABLE_FIELDS:
+        if getattr(request, name, None):
+            raise APIError(
+                400,
+                f"'{name}' is not available on this model: its output rails check generated text, "
+                "which token ids would carry past them.",
+                param=name,
+                code="unsupported_with_output_rails",
+            )

@@ -14,26 +14,18 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engines.config import ConfigError, ModelConfig, load_model_config
-from guardrails.config import GuardrailPolicy
-from retrieval.config import RetrievalPolicy
+from engines.config import ConfigError
+from gateway.model_file import ModelFile, ModelPolicy, load_model_file
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ModelPolicy:
-    """What the chat stages need to know about one model, for one request."""
-
-    guardrails: GuardrailPolicy
-    retrieval: RetrievalPolicy
 
 
 @dataclass
 class _Watched:
     path: Path
     mtime_ns: int
-    config: ModelConfig
+    config: ModelFile
+    policy: ModelPolicy
 
 
 @dataclass
@@ -44,15 +36,18 @@ class PolicyStore:
     reload_errors: int = 0
 
     @classmethod
-    def from_configs(cls, configs: dict[str, tuple[Path, ModelConfig]]) -> "PolicyStore":
+    def from_configs(cls, configs: dict[str, tuple[Path, ModelFile]]) -> "PolicyStore":
         store = cls()
         for model_id, (path, config) in configs.items():
-            store.files[model_id] = _Watched(path, _mtime(path), config)
+            store.files[model_id] = _Watched(path, _mtime(path), config, config.policy())
         return store
 
     def get(self, model_id: str) -> ModelPolicy:
-        config = self.files[model_id].config
-        return ModelPolicy(guardrails=config.guardrails, retrieval=config.retrieval)
+        return self.files[model_id].policy
+
+    def aliases(self) -> dict[str, str]:
+        """Alias -> model id, for every model."""
+        return {alias: model_id for model_id, w in self.files.items() for alias in w.config.aliases}
 
     def refresh(self) -> list[str]:
         """Re-read changed files; returns the model ids whose policy changed."""
@@ -63,7 +58,7 @@ class PolicyStore:
                 continue
             watched.mtime_ns = mtime
             try:
-                new = load_model_config(watched.path)
+                new = load_model_file(watched.path)
             except ConfigError as exc:
                 self.reload_errors += 1
                 logger.error("keeping the last good policy for %s: %s", model_id, exc)
@@ -74,9 +69,9 @@ class PolicyStore:
                 continue
             if new.engine_fingerprint() != watched.config.engine_fingerprint():
                 logger.warning("%s: engine settings changed; they apply when the model is redeployed", watched.path)
-            old = watched.config
-            watched.config = new
-            if (new.guardrails, new.retrieval) != (old.guardrails, old.retrieval):
+            old = watched.policy
+            watched.config, watched.policy = new, new.policy()
+            if watched.policy.version != old.version:
                 logger.info("policy of %s reloaded from %s", model_id, watched.path)
                 changed.append(model_id)
         return changed

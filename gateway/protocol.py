@@ -9,10 +9,10 @@ from typing import Any, TypeVar
 
 import orjson
 from pydantic import BaseModel, ValidationError
-from ray.llm._internal.serve.core.configs.openai_api_models import (
-    ChatCompletionRequest,
-    CompletionRequest,
-)
+from ray.serve.llm.openai_api_models import ChatCompletionRequest, CompletionRequest
+
+# Ray's own ingress runs this before sending a chat request through a handle (a pickling
+# workaround for iterator-typed fields); Ray Serve LLM 2.60 has no public name for it.
 from ray.llm._internal.serve.core.ingress.utils import _sanitize_chat_completion_request
 from starlette.requests import Request
 

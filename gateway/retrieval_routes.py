@@ -2,6 +2,11 @@
 
 A mixin of the ingress: each route parses and checks its input, calls the ``Retriever``
 or ``Embedder`` handle, and returns what they answer (already in OpenAI's shapes).
+
+Who is calling: the ingress's auth dependency has put the request's ``Principal`` in
+``request.state.principal`` before any route runs. Files and vector store routes need the
+``documents`` scope and act for ``caller_of(request)``: the Retriever records that caller as the
+owner of what it creates and answers anyone else's files and stores as missing ones.
 """
 
 from __future__ import annotations
@@ -16,10 +21,12 @@ from ray.serve.handle import DeploymentHandle
 from starlette.datastructures import UploadFile
 from starlette.responses import Response
 
+from gateway.auth import Principal
 from gateway.errors import APIError, JSONBytesResponse, bad_request, model_not_found
 from gateway.http import app
 from gateway.protocol import read_json_body
 from retrieval.errors import RetrievalError
+from retrieval.tenancy import Caller
 
 # Uploaded documents may be far larger than a chat request.
 MAX_UPLOAD_BYTES = 64 * 1024 * 1024
@@ -55,6 +62,19 @@ def query_int(request: Request, name: str, default: int, lo: int, hi: int) -> in
     return int(raw)
 
 
+def retrieval_caller(principal: Principal) -> Caller:
+    """Who the Retriever acts for: admin keys are the operator, anyone else themselves."""
+    return Caller(principal.name, admin=principal.admin)
+
+
+def caller_of(request: Request) -> Caller:
+    """The retrieval caller for a files or vector stores request: its principal, which must
+    hold the ``documents`` scope (403 otherwise)."""
+    principal: Principal = request.state.principal
+    principal.require("documents")
+    return retrieval_caller(principal)
+
+
 def query_order(request: Request) -> str:
     order = request.query_params.get("order", "desc")
     if order not in ("asc", "desc"):
@@ -70,16 +90,12 @@ class RetrievalRoutes:
     _embedding_model: str | None
     _settings: Any
 
-    def _authorize(self, request: Request) -> None:  # provided by the ingress
-        raise NotImplementedError
-
     def _retrieval(self) -> DeploymentHandle:
         if self._retriever is None:
             raise APIError(404, "Retrieval is not enabled on this gateway.", code="retrieval_disabled")
         return self._retriever
 
     async def _json(self, request: Request, allowed: set[str]) -> dict[str, Any]:
-        self._authorize(request)
         data = await read_json_body(request, self._settings.max_request_bytes)
         check_fields(data, allowed)
         return data
@@ -92,7 +108,7 @@ class RetrievalRoutes:
         model = data.get("model")
         if not isinstance(model, str) or not model:
             raise bad_request("Missing required parameter: 'model'.", param="model", code="missing_required_parameter")
-        if self._embedder is None or model != self._embedding_model:
+        if self._embedder is None or model != self._embedding_model or not request.state.principal.may_use(model):
             raise model_not_found(model)
         inputs = _embedding_inputs(data.get("input"))
         encoding = data.get("encoding_format", "float")
@@ -118,7 +134,7 @@ class RetrievalRoutes:
 
     @app.post("/v1/files")
     async def create_file(self, request: Request) -> Response:
-        self._authorize(request)
+        caller = caller_of(request)
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > MAX_UPLOAD_BYTES + 65536:
             raise APIError(413, f"Files larger than {MAX_UPLOAD_BYTES} bytes are not accepted.", code="request_too_large")
@@ -133,96 +149,125 @@ class RetrievalRoutes:
         content = await upload.read(MAX_UPLOAD_BYTES + 1)
         if len(content) > MAX_UPLOAD_BYTES:
             raise APIError(413, f"Files larger than {MAX_UPLOAD_BYTES} bytes are not accepted.", code="request_too_large")
-        return JSONBytesResponse(await call(self._retrieval().create_file.remote(upload.filename or "upload", content, purpose)))
+        return JSONBytesResponse(await call(self._retrieval().create_file.remote(upload.filename or "upload", content, purpose, caller=caller)))
 
     @app.get("/v1/files")
     async def list_files(self, request: Request) -> Response:
-        self._authorize(request)
+        caller = caller_of(request)
         page = self._retrieval().list_files.remote(
-            request.query_params.get("purpose"), query_int(request, "limit", 10000, 1, 10000), query_order(request), request.query_params.get("after")
+            request.query_params.get("purpose"),
+            query_int(request, "limit", 10000, 1, 10000),
+            query_order(request),
+            request.query_params.get("after"),
+            caller=caller,
         )
         return JSONBytesResponse(await call(page))
 
     @app.get("/v1/files/{file_id}")
     async def retrieve_file(self, file_id: str, request: Request) -> Response:
-        self._authorize(request)
-        return JSONBytesResponse(await call(self._retrieval().get_file.remote(file_id)))
+        caller = caller_of(request)
+        return JSONBytesResponse(await call(self._retrieval().get_file.remote(file_id, caller=caller)))
 
     @app.get("/v1/files/{file_id}/content")
     async def file_content(self, file_id: str, request: Request) -> Response:
-        self._authorize(request)
-        content = await call(self._retrieval().get_file_content.remote(file_id))
+        caller = caller_of(request)
+        content = await call(self._retrieval().get_file_content.remote(file_id, caller=caller))
         return Response(content, media_type="application/octet-stream")
 
     @app.delete("/v1/files/{file_id}")
     async def delete_file(self, file_id: str, request: Request) -> Response:
-        self._authorize(request)
-        return JSONBytesResponse(await call(self._retrieval().delete_file.remote(file_id)))
+        caller = caller_of(request)
+        return JSONBytesResponse(await call(self._retrieval().delete_file.remote(file_id, caller=caller)))
 
     # --- vector stores ------------------------------------------------------------------
 
     @app.post("/v1/vector_stores")
     async def create_vector_store(self, request: Request) -> Response:
+        caller = caller_of(request)
         data = await self._json(request, STORE_FIELDS)
-        store = self._retrieval().create_store.remote(data.get("name"), data.get("metadata"), data.get("file_ids"), data.get("chunking_strategy"))
+        store = self._retrieval().create_store.remote(
+            data.get("name"), data.get("metadata"), data.get("file_ids"), data.get("chunking_strategy"), caller=caller
+        )
         return JSONBytesResponse(await call(store))
 
     @app.get("/v1/vector_stores")
     async def list_vector_stores(self, request: Request) -> Response:
-        self._authorize(request)
+        caller = caller_of(request)
         q = request.query_params
-        page = self._retrieval().list_stores.remote(query_int(request, "limit", 20, 1, 100), query_order(request), q.get("after"), q.get("before"))
+        page = self._retrieval().list_stores.remote(
+            query_int(request, "limit", 20, 1, 100), query_order(request), q.get("after"), q.get("before"), caller=caller
+        )
         return JSONBytesResponse(await call(page))
 
     @app.get("/v1/vector_stores/{store_id}")
     async def retrieve_vector_store(self, store_id: str, request: Request) -> Response:
-        self._authorize(request)
-        return JSONBytesResponse(await call(self._retrieval().get_store.remote(store_id)))
+        caller = caller_of(request)
+        return JSONBytesResponse(await call(self._retrieval().get_store.remote(store_id, caller=caller)))
 
     @app.post("/v1/vector_stores/{store_id}")
     async def modify_vector_store(self, store_id: str, request: Request) -> Response:
+        caller = caller_of(request)
         data = await self._json(request, STORE_UPDATE_FIELDS)
-        return JSONBytesResponse(await call(self._retrieval().modify_store.remote(store_id, data.get("name"), data.get("metadata"))))
+        modified = self._retrieval().modify_store.remote(store_id, data.get("name"), data.get("metadata"), caller=caller)
+        return JSONBytesResponse(await call(modified))
 
     @app.delete("/v1/vector_stores/{store_id}")
     async def delete_vector_store(self, store_id: str, request: Request) -> Response:
-        self._authorize(request)
-        return JSONBytesResponse(await call(self._retrieval().delete_store.remote(store_id)))
+        caller = caller_of(request)
+        return JSONBytesResponse(await call(self._retrieval().delete_store.remote(store_id, caller=caller)))
 
     @app.post("/v1/vector_stores/{store_id}/files")
     async def create_vector_store_file(self, store_id: str, request: Request) -> Response:
+        caller = caller_of(request)
         data = await self._json(request, STORE_FILE_FIELDS)
         if not isinstance(data.get("file_id"), str):
             raise bad_request("Missing required parameter: 'file_id'.", param="file_id", code="missing_required_parameter")
-        added = self._retrieval().add_file_to_store.remote(store_id, data["file_id"], data.get("attributes"), data.get("chunking_strategy"))
+        added = self._retrieval().add_file_to_store.remote(
+            store_id, data["file_id"], data.get("attributes"), data.get("chunking_strategy"), caller=caller
+        )
         return JSONBytesResponse(await call(added))
 
     @app.get("/v1/vector_stores/{store_id}/files")
     async def list_vector_store_files(self, store_id: str, request: Request) -> Response:
-        self._authorize(request)
+        caller = caller_of(request)
         q = request.query_params
         page = self._retrieval().list_store_files.remote(
-            store_id, query_int(request, "limit", 20, 1, 100), query_order(request), q.get("after"), q.get("before"), q.get("filter")
+            store_id,
+            query_int(request, "limit", 20, 1, 100),
+            query_order(request),
+            q.get("after"),
+            q.get("before"),
+            q.get("filter"),
+            caller=caller,
         )
         return JSONBytesResponse(await call(page))
 
     @app.get("/v1/vector_stores/{store_id}/files/{file_id}")
     async def retrieve_vector_store_file(self, store_id: str, file_id: str, request: Request) -> Response:
-        self._authorize(request)
-        return JSONBytesResponse(await call(self._retrieval().get_store_file.remote(store_id, file_id)))
+        caller = caller_of(request)
+        return JSONBytesResponse(await call(self._retrieval().get_store_file.remote(store_id, file_id, caller=caller)))
 
     @app.delete("/v1/vector_stores/{store_id}/files/{file_id}")
     async def delete_vector_store_file(self, store_id: str, file_id: str, request: Request) -> Response:
-        self._authorize(request)
-        return JSONBytesResponse(await call(self._retrieval().delete_store_file.remote(store_id, file_id)))
+        caller = caller_of(request)
+        return JSONBytesResponse(await call(self._retrieval().delete_store_file.remote(store_id, file_id, caller=caller)))
 
     @app.post("/v1/vector_stores/{store_id}/search")
     async def search_vector_store(self, store_id: str, request: Request) -> Response:
+        caller = caller_of(request)
         data = await self._json(request, SEARCH_FIELDS)
         if "query" not in data:
             raise bad_request("Missing required parameter: 'query'.", param="query", code="missing_required_parameter")
+        # The Retriever checks the values (query: a non-empty string or 1 to 16 of them;
+        # max_num_results: an integer from 1 to 50) and answers a 400 naming the parameter.
         page = self._retrieval().search.remote(
-            store_id, data["query"], data.get("max_num_results", 10), data.get("filters"), data.get("ranking_options"), bool(data.get("rewrite_query", False))
+            store_id,
+            data["query"],
+            data.get("max_num_results", 10),
+            data.get("filters"),
+            data.get("ranking_options"),
+            bool(data.get("rewrite_query", False)),
+            caller=caller,
         )
         return JSONBytesResponse(await call(page))
 

@@ -6,10 +6,9 @@ rail. `load_policy` turns pydantic's error into one line naming the file, the ke
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -21,6 +20,7 @@ from pydantic import (
     model_validator,
 )
 
+from guardrails.detectors.linear_regex import compile_forbidden
 from guardrails.entities import EntityType, RuleAction
 
 DEFAULT_INPUT_PII: dict[EntityType, RuleAction] = {
@@ -104,6 +104,10 @@ class InjectionPolicy(StrictModel):
     # None means the artifact shipped in guardrails/data/.
     classifier_path: str | None = None
     hf: HfClassifierConfig | None = None
+    # Roles whose text is instructions by design (an app's system prompt reads like a persona
+    # jailbreak to a classifier trained on user turns: "You are X. Never reveal ..."). Their
+    # text gets the high-precision heuristics, PII and topic rails, not the classifier.
+    instruction_roles: frozenset[Literal["system", "developer"]] = frozenset({"system", "developer"})
 
     @model_validator(mode="after")
     def _hf_needs_config(self) -> InjectionPolicy:
@@ -139,9 +143,19 @@ class LimitsPolicy(StrictModel):
     max_input_chars: PositiveInt = 32_000
     max_input_tokens: PositiveInt = 8_000
     max_messages: PositiveInt = 64
+    # Wall time the input rails may spend on one request; past it the request is refused
+    # (or let through with fail_open). A backstop: every pattern is linear-time already, and
+    # embedding a full 32 KB request for the classifier takes about 2 s on one slow CPU core.
+    time_budget_ms: PositiveInt = 5000
 
 class ForbiddenPattern(StrictModel):
-    """A string or regular expression the model must never emit."""
+    """A string or regular expression the model must never emit.
+
+    Both run on RE2, a linear-time engine, so a pattern cannot be made slow by what the model writes.
+    Regular expressions therefore use RE2 syntax: no lookaround or backreferences, ASCII `\\w \\d
+    \\s \\b` (`\\p{L}`, `\\p{Nd}` for Unicode), `\\z` for the end of the text. A pattern RE2 cannot
+    compile is rejected at load (see `guardrails.detectors.linear_regex.compile_forbidden`).
+    """
 
     pattern: str = Field(min_length=1)
     regex: bool = False
@@ -152,11 +166,10 @@ class ForbiddenPattern(StrictModel):
 
     @model_validator(mode="after")
     def _compiles(self) -> ForbiddenPattern:
-        if self.regex:
-            try:
-                re.compile(self.pattern)
-            except re.error as exc:
-                raise ValueError(f"pattern does not compile: {exc}") from None
+        try:
+            compile_forbidden(self.pattern, regex=self.regex, ignore_case=self.ignore_case)
+        except ValueError as exc:
+            raise ValueError(f"pattern does not compile: {exc}") from None
         if self.action is RuleAction.ALLOW:
             raise ValueError("a forbidden pattern's action must be block or redact")
         return self
@@ -176,6 +189,11 @@ class GuardrailPolicy(StrictModel):
     enabled: bool = True
     # An exception inside a rail blocks the request unless this is true.
     fail_open: bool = False
+    # Input rails check every message whatever its role. Roles listed here skip PII, injection
+    # and topic rails (size limits still count them). Any client can write any role, so an
+    # exempt role is a way around the rails for whoever calls this model: exempt only what a
+    # trusted backend writes, e.g. `system` behind an app that sets its own system prompt.
+    exempt_roles: frozenset[Literal["system", "developer", "user", "assistant", "tool", "function"]] = frozenset()
     pii: PiiPolicy = Field(default_factory=PiiPolicy)
     injection: InjectionPolicy = Field(default_factory=InjectionPolicy)
     denied_topics: DeniedTopicsPolicy = Field(default_factory=DeniedTopicsPolicy)

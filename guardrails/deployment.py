@@ -10,7 +10,10 @@ as Prometheus counters.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -33,8 +36,55 @@ logger = logging.getLogger(__name__)
 _INLINE_RAIL_CHARS = 8192
 
 
-def _check_all(guard: InputGuard, texts: Sequence[str], embeddings: Sequence[np.ndarray | None]) -> list[Verdict]:
-    return [guard.check_text(t, e) for t, e in zip(texts, embeddings)]
+# Verdicts remembered per replica, so a long conversation pays only for its new messages.
+_VERDICT_CACHE_ENTRIES = 8192
+
+
+def _check_all(
+    guard: InputGuard, texts: Sequence[str], embeddings: Sequence[np.ndarray | None], flags: Sequence[bool], deadline: float
+) -> list[Verdict]:
+    verdicts: list[Verdict] = []
+    for text, embedding, instructions in zip(texts, embeddings, flags):
+        if time.monotonic() > deadline:
+            # Past the request's budget: the remaining texts are not checked, so they count
+            # as failed rails (blocked unless the policy fails open).
+            guard.metrics.record_error("time_budget")
+            verdict = Verdict.allow("time_budget") if guard.policy.fail_open else Verdict.block(
+                "time_budget", PolicyCode.RAIL_ERROR, "the input rails ran out of time"
+            )
+            return verdicts + [verdict] * (len(texts) - len(verdicts))
+        verdicts.append(guard.check_text(text, embedding, instructions=instructions))
+    return verdicts
+
+
+class VerdictCache:
+    """Bounded LRU of verdicts by (policy version, text digest). Only verdicts a rail reached
+    on its own are kept: a rail error or a budget overrun is decided again next time."""
+
+    def __init__(self, entries: int = _VERDICT_CACHE_ENTRIES):
+        self._entries = entries
+        self._data: OrderedDict[tuple[str, bytes], Verdict] = OrderedDict()
+
+    @staticmethod
+    def key(version: str, text: str) -> tuple[str, bytes]:
+        return version, hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+    def get(self, key: tuple[str, bytes]) -> Verdict | None:
+        verdict = self._data.get(key)
+        if verdict is not None:
+            self._data.move_to_end(key)
+        return verdict
+
+    def put(self, key: tuple[str, bytes], verdict: Verdict) -> None:
+        if verdict.code is PolicyCode.RAIL_ERROR or verdict.rail in ("time_budget", "embedding", "setup"):
+            return
+        self._data[key] = verdict
+        self._data.move_to_end(key)
+        while len(self._data) > self._entries:
+            self._data.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._data)
 
 
 class ExportedRailMetrics(RailMetrics):
@@ -88,18 +138,28 @@ class Guardrails:
         self._hf_scorers: dict[str, InjectionScorer] = {}
         self._topics: dict[str, TopicMatcher] = {}
         self._guards: dict[str, tuple[GuardrailPolicy, InputGuard]] = {}
+        self._verdicts = VerdictCache()
         self.metrics = ExportedRailMetrics()
 
-    async def check_input(self, model_id: str, policy: GuardrailPolicy, texts: Sequence[str], all_texts: Sequence[str]) -> InputDecision:
-        """Limits over ``all_texts`` (every message), then PII, injection and denied topics
-        on each of ``texts`` (what users and tools wrote)."""
+    async def check_input(
+        self,
+        model_id: str,
+        policy: GuardrailPolicy,
+        texts: Sequence[str],
+        all_texts: Sequence[str],
+        instructions: Sequence[bool] | None = None,
+    ) -> InputDecision:
+        """Limits over ``all_texts`` (every text of the request), then PII, injection and
+        denied topics on each of ``texts``; ``instructions[i]`` marks a text from an
+        instruction role (heuristics instead of the injection classifier)."""
+        deadline = time.monotonic() + policy.limits.time_budget_ms / 1000
         guard = await self._guard_or_error(model_id, policy)
         if isinstance(guard, Verdict):
             return InputDecision(guard, list(texts))
         limits = guard.check_request(list(all_texts))
         if limits.blocked:
             return InputDecision(limits, list(texts))
-        verdicts = await self._check_each(guard, texts)
+        verdicts = await self._check_each(guard, texts, deadline, instructions=instructions)
         blocked = next((v for v in verdicts if v.blocked), None)
         if blocked is not None:
             return InputDecision(blocked, list(texts))
@@ -110,10 +170,11 @@ class Guardrails:
     async def check_passages(self, model_id: str, policy: GuardrailPolicy, passages: Sequence[str]) -> list[Verdict]:
         """Retrieved passages go through the same rails: an instruction planted in a document
         must not reach the model unchecked. One verdict per passage."""
+        deadline = time.monotonic() + policy.limits.time_budget_ms / 1000
         guard = await self._guard_or_error(model_id, policy)
         if isinstance(guard, Verdict):
             return [guard] * len(passages)
-        return await self._check_each(guard, passages)
+        return await self._check_each(guard, passages, deadline, prefix="passage:")
 
     def counters(self) -> dict[str, int]:
         """Rail outcome counters, ``rail/outcome`` -> count (for tests and /metrics readers)."""
@@ -121,9 +182,29 @@ class Guardrails:
 
     # --- internals ----------------------------------------------------------------
 
-    async def _check_each(self, guard: InputGuard, texts: Sequence[str]) -> list[Verdict]:
+    async def _check_each(
+        self,
+        guard: InputGuard,
+        texts: Sequence[str],
+        deadline: float,
+        prefix: str = "",
+        instructions: Sequence[bool] | None = None,
+    ) -> list[Verdict]:
+        """Verdicts for ``texts``: remembered ones from the cache, the rest computed."""
         if not texts:
             return []
+        flags = list(instructions) if instructions is not None else [False] * len(texts)
+        keys = [VerdictCache.key(("i:" if f else prefix) + guard.cache_version, t) for t, f in zip(texts, flags)]
+        verdicts: list[Verdict | None] = [self._verdicts.get(k) for k in keys]
+        todo = [i for i, v in enumerate(verdicts) if v is None]
+        if todo:
+            fresh = await self._compute(guard, [texts[i] for i in todo], [flags[i] for i in todo], deadline)
+            for i, verdict in zip(todo, fresh):
+                verdicts[i] = verdict
+                self._verdicts.put(keys[i], verdict)
+        return verdicts  # type: ignore[return-value]
+
+    async def _compute(self, guard: InputGuard, texts: Sequence[str], flags: list[bool], deadline: float) -> list[Verdict]:
         embeddings: list[np.ndarray | None] = [None] * len(texts)
         if guard.needs_embedding:
             try:
@@ -137,8 +218,8 @@ class Guardrails:
         # inline. Long documents and HF classifiers (a model forward pass) go to a thread, so
         # the replica's event loop (which Serve's throughput mode shares) keeps serving.
         if guard.runs_model_inline or sum(len(t) for t in texts) > _INLINE_RAIL_CHARS:
-            return await asyncio.to_thread(_check_all, guard, texts, embeddings)
-        return _check_all(guard, texts, embeddings)
+            return await asyncio.to_thread(_check_all, guard, texts, embeddings, flags, deadline)
+        return _check_all(guard, texts, embeddings, flags, deadline)
 
     async def _embed_chunked(self, texts: Sequence[str]) -> list[np.ndarray]:
         pieces = [embedding_chunks(t) for t in texts]
@@ -165,6 +246,8 @@ class Guardrails:
         cached = self._guards.get(model_id)
         if cached is not None and cached[0] == policy:
             return cached[1]
+        # The cache key of this policy's verdicts: a new policy never sees an old one's.
+        version = hashlib.blake2b(policy.model_dump_json().encode(), digest_size=8).hexdigest()
         topics = None
         if policy.enabled and policy.denied_topics.topics:
             key = policy.denied_topics.model_dump_json()
@@ -174,6 +257,7 @@ class Guardrails:
                 self._topics[key] = TopicMatcher.from_policy(policy.denied_topics, vectors)
             topics = self._topics[key]
         guard = InputGuard(policy, injection_scorer=await self._scorer(policy), topics=topics, metrics=self.metrics)
+        guard.cache_version = version
         self._guards[model_id] = (policy, guard)
         return guard
 

@@ -18,6 +18,7 @@ from guardrails.detectors.injection import (
     InjectionClassifier,
     InjectionDetector,
     InjectionScorer,
+    heuristic_hits,
 )
 from guardrails.detectors.limits import check_limits
 from guardrails.detectors.pii import check_pii
@@ -77,6 +78,8 @@ class InputGuard:
             else None
         )
         self.topics = topics if policy.denied_topics.topics else None
+        # Set by the deployment: names this policy in the verdict cache.
+        self.cache_version = ""
 
     @property
     def runs_model_inline(self) -> bool:
@@ -96,8 +99,11 @@ class InputGuard:
             return Verdict.allow("limits")
         return self._run("limits", lambda: check_limits(messages, self.policy.limits))
 
-    def check_text(self, text: str, embedding: np.ndarray | None = None) -> Verdict:
-        """PII, injection and topics on one user text; REDACTED carries the rewritten text."""
+    def check_text(self, text: str, embedding: np.ndarray | None = None, *, instructions: bool = False) -> Verdict:
+        """PII, injection and topics on one text; REDACTED carries the rewritten text.
+
+        ``instructions`` marks text from an instruction role (system, developer): the injection
+        rail then runs its heuristics only (see ``InjectionPolicy.instruction_roles``)."""
         if not self.policy.enabled:
             return Verdict.allow("guardrails")
         seen: list[Verdict] = []
@@ -107,8 +113,11 @@ class InputGuard:
                 return seen[-1]
         if self.injection is not None:
             detector = self.injection
-            seen.append(self._run(detector.rail, lambda: detector.check(text, embedding)))
-            if seen[-1].blocked:
+            if not instructions:
+                seen.append(self._run(detector.rail, lambda: detector.check(text, embedding)))
+            elif detector.use_heuristics:
+                seen.append(self._run(detector.rail, lambda: _heuristics_only(detector.rail, text)))
+            if seen and seen[-1].blocked:
                 return seen[-1]
         if self.topics is not None:
             if embedding is None:
@@ -120,6 +129,13 @@ class InputGuard:
 
     def _run(self, rail: str, check: Callable[[], Verdict]) -> Verdict:
         return run_rail(rail, check, fail_open=self.policy.fail_open, metrics=self.metrics)
+
+
+def _heuristics_only(rail: str, text: str) -> Verdict:
+    hits = heuristic_hits(text)
+    if hits:
+        return Verdict.block(rail, PolicyCode.PROMPT_INJECTION, f"matched heuristic {hits[0]}")
+    return Verdict.allow(rail)
 
 
 def _missing_embedding() -> Verdict:

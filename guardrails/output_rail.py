@@ -14,12 +14,12 @@ may still be growing at the end of the buffer is held until it is complete.
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from guardrails.config import ForbiddenPattern, GuardrailPolicy
+from guardrails.detectors import linear_regex as lrx
 from guardrails.detectors.pii import detect
 from guardrails.entities import EntityType, RuleAction
 from guardrails.metrics import RailMetrics
@@ -73,27 +73,24 @@ class PiiOutputCheck:
 
 
 class PatternCheck:
-    """Forbidden literal strings and regular expressions from the policy."""
+    """Forbidden literal strings and regular expressions from the policy, matched with RE2 (linear time)."""
 
     name = "forbidden"
 
     def __init__(self, patterns: Iterable[ForbiddenPattern]) -> None:
-        self._compiled: list[tuple[re.Pattern[str], ForbiddenPattern]] = []
+        self._compiled: list[tuple[lrx.Pattern, ForbiddenPattern]] = []
         horizon = 1
         for p in patterns:
-            flags = re.IGNORECASE if p.ignore_case else 0
-            self._compiled.append((re.compile(p.pattern if p.regex else re.escape(p.pattern), flags), p))
+            self._compiled.append((lrx.compile_forbidden(p.pattern, regex=p.regex, ignore_case=p.ignore_case), p))
             horizon = max(horizon, p.max_match_chars or (64 if p.regex else len(p.pattern)))
         self.horizon_chars = horizon
 
     def scan(self, text: str) -> list[RuleMatch]:
         matches = []
+        data = lrx.to_utf8(text)
         for index, (pattern, spec) in enumerate(self._compiled):
-            for m in pattern.finditer(text):
-                if m.end() > m.start():
-                    matches.append(
-                        RuleMatch(m.start(), m.end(), f"pattern {index}", spec.action, PolicyCode.FORBIDDEN_CONTENT)
-                    )
+            for start, end in lrx.finditer_plain(pattern, data):
+                matches.append(RuleMatch(start, end, f"pattern {index}", spec.action, PolicyCode.FORBIDDEN_CONTENT))
         return matches
 
 
@@ -103,6 +100,8 @@ class StreamStep:
 
     text: str
     verdict: Verdict
+    # Spans rewritten in this step, as (start, end, replacement) in offsets of the pushed text.
+    redacted: tuple[tuple[int, int, str], ...] = ()
 
 
 class StreamGuard:
@@ -112,6 +111,8 @@ class StreamGuard:
     `text` never contains a match that a check reports as BLOCK, provided the check can recognise the
     match within its `horizon_chars` of the match start. The buffer never exceeds
     `hold + longest redaction` characters; a redaction longer than `max_redact_chars` blocks instead.
+    `consumed` counts the pushed characters released so far (verbatim or rewritten): everything a
+    caller derived from pushed text before that offset may follow it out (e.g. token logprobs).
     """
 
     def __init__(
@@ -137,6 +138,7 @@ class StreamGuard:
         self._held = ""
         self._tail = ""
         self._blocked: Verdict | None = None
+        self.consumed = 0
         # Label -> code of every span rewritten so far (labels name entities or pattern numbers, never text).
         self._redacted: dict[str, PolicyCode] = {}
 
@@ -190,6 +192,7 @@ class StreamGuard:
         self._held += delta
         if not self.checks:
             released, self._held = self._held, ""
+            self.consumed += len(released)
             return StreamStep(released, self.verdict)
         if len(self._held) <= self.hold:
             return StreamStep("", self.verdict)
@@ -249,18 +252,21 @@ class StreamGuard:
             )
 
         out: list[str] = []
+        spans: list[tuple[int, int, str]] = []
         pos = off
         for m in redactions:
             if m.start >= cut or m.end > cut:
                 break
             out.append(text[pos : max(pos, m.start)])
             out.append(m.replacement)
+            spans.append((self.consumed + max(pos, m.start) - off, self.consumed + m.end - off, m.replacement))
             self._redacted.setdefault(m.label, m.code)
             pos = max(pos, m.end)
         out.append(text[pos:cut])
         self._tail = (self._tail + self._held[: cut - off])[-self.lookbehind :]
         self._held = self._held[cut - off :]
-        step = StreamStep("".join(out), self.verdict)
+        self.consumed += cut - off
+        step = StreamStep("".join(out), self.verdict, tuple(spans))
         if final:
             self.metrics.record_verdict(step.verdict)
         return step

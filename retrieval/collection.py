@@ -50,6 +50,7 @@ from retrieval.records import (
     validate_attributes,
     validate_metadata,
 )
+from retrieval.tenancy import OPERATOR
 
 logger = logging.getLogger(__name__)
 
@@ -119,11 +120,14 @@ class Collection:
         metadata: Mapping[str, str] | None = None,
         id: str | None = None,
         created_at: int | None = None,
+        owner: str = OPERATOR,
     ) -> None:
         if dimension < 1:
             raise InvalidInputError("dimension must be positive")
         self.id = id or new_collection_id()
         self.name = name
+        # Who owns it (see retrieval.tenancy): fixed at creation, persisted in the manifest.
+        self.owner = owner
         self.dimension = dimension
         self.created_at = created_at if created_at is not None else int(time.time())
         self.last_active_at = self.created_at
@@ -154,10 +158,16 @@ class Collection:
         index_config: IndexConfig | None = None,
         metadata: Mapping[str, str] | None = None,
         id: str | None = None,
+        owner: str = OPERATOR,
     ) -> Collection:
         """Create an empty collection and its directory at ``path``."""
         coll = cls(
-            name=name, dimension=dimension, index_config=index_config, metadata=metadata, id=id
+            name=name,
+            dimension=dimension,
+            index_config=index_config,
+            metadata=metadata,
+            id=id,
+            owner=owner,
         )
         coll._committed_index_file = index_file_name(0)
         manifest = coll._manifest(coll._committed_index_file)
@@ -176,6 +186,7 @@ class Collection:
             metadata=manifest.metadata,
             id=manifest.id,
             created_at=manifest.created_at,
+            owner=manifest.owner,
         )
         coll.last_active_at = manifest.last_active_at
         coll._index = index
@@ -218,6 +229,7 @@ class Collection:
             "next_doc_seq": self._next_doc_seq,
             "index_file": index_file,
             "documents": [d.entry() for d in self._docs.values()],
+            "owner": self.owner,
         }
 
     def _begin_commit(self, index_changed: bool) -> _PendingCommit | None:

@@ -123,6 +123,10 @@ class RetrievalPolicy(BaseModel):
     passage_template: str = "[{index}] {source}\n{text}"
     passage_separator: str = "\n\n"
     allow_request_override: bool = False
+    # Whether answers carry their sources (store and file ids, filenames) to every client:
+    # off by default, since they name documents; a request may still ask with
+    # extra_body.retrieval.return_sources.
+    return_sources: bool = False
 
     @field_validator("template")
     @classmethod

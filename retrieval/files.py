@@ -4,6 +4,11 @@ Layout: ``<root>/<file_id>.bin`` (content) and ``<root>/<file_id>.json`` (the fi
 content is written first and the object last, each atomically, so a file exists exactly when its
 object does. The user's filename is only metadata, never a path. Leftovers of interrupted writes
 (temporary files, content without an object) are removed when the store opens.
+
+Each file records its owner (see ``retrieval.tenancy``) in its object on disk; objects written
+before owners were recorded belong to the operator. The owner is never part of the OpenAI file
+object (``StoredFile.public()``). Methods given an ``owner`` treat someone else's file exactly
+like a missing one.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from retrieval.errors import FileNotFoundInStoreError, InvalidInputError
 from retrieval.persistence import TMP_MARKER, atomic_write, fsync_dir
+from retrieval.tenancy import OPERATOR
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +41,8 @@ FilePurpose = Literal[
 
 
 class StoredFile(BaseModel):
-    """OpenAI's ``file`` object, as returned by the files endpoints and kept on disk."""
+    """OpenAI's ``file`` object as kept on disk: what the files endpoints return (``public()``)
+    plus its owner."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -46,6 +53,11 @@ class StoredFile(BaseModel):
     filename: str
     purpose: FilePurpose
     status: Literal["uploaded", "processed", "error"] = "processed"
+    owner: str = OPERATOR
+
+    def public(self) -> dict:
+        """The OpenAI ``file`` object, without the owner."""
+        return self.model_dump(exclude={"owner"})
 
 
 class FileStore:
@@ -68,9 +80,14 @@ class FileStore:
                 entry.unlink(missing_ok=True)
 
     def create(
-        self, filename: str, content: bytes, purpose: FilePurpose = "assistants"
+        self,
+        filename: str,
+        content: bytes,
+        purpose: FilePurpose = "assistants",
+        *,
+        owner: str = OPERATOR,
     ) -> StoredFile:
-        """Store ``content`` and return its file object."""
+        """Store ``content`` and return its file object, owned by ``owner``."""
         if not filename or len(filename) > 512:
             raise InvalidInputError("filename must be 1 to 512 characters")
         if len(content) > self.max_bytes:
@@ -81,6 +98,7 @@ class FileStore:
             created_at=int(time.time()),
             filename=filename,
             purpose=purpose,
+            owner=owner,
         )
         atomic_write(self._content_path(stored.id), content)
         atomic_write(self.root / f"{stored.id}.json", stored.model_dump_json().encode("utf-8"))
@@ -89,23 +107,30 @@ class FileStore:
         logger.info("stored %s (%d bytes, purpose %s)", stored.id, stored.bytes, purpose)
         return stored
 
-    def get(self, file_id: str) -> StoredFile:
+    def get(self, file_id: str, *, owner: str | None = None) -> StoredFile:
+        """A file by id; with ``owner``, someone else's file is not found either (same error)."""
         with self._lock:
             stored = self._files.get(file_id)
-        if stored is None:
+        if stored is None or (owner is not None and stored.owner != owner):
             raise FileNotFoundInStoreError(f"no file {file_id!r}")
         return stored
 
-    def list(self, purpose: FilePurpose | None = None) -> list[StoredFile]:
-        """Files, oldest first, optionally of one purpose."""
+    def list(
+        self, purpose: FilePurpose | None = None, *, owner: str | None = None
+    ) -> list[StoredFile]:
+        """Files, oldest first, optionally of one purpose and/or one owner."""
         with self._lock:
             files = list(self._files.values())
-        files = [f for f in files if purpose is None or f.purpose == purpose]
+        files = [
+            f
+            for f in files
+            if (purpose is None or f.purpose == purpose) and (owner is None or f.owner == owner)
+        ]
         return sorted(files, key=lambda f: (f.created_at, f.id))
 
-    def read(self, file_id: str) -> bytes:
-        """The file's content."""
-        self.get(file_id)
+    def read(self, file_id: str, *, owner: str | None = None) -> bytes:
+        """The file's content (``owner`` as in ``get``)."""
+        self.get(file_id, owner=owner)
         return self._content_path(file_id).read_bytes()
 
     def delete(self, file_id: str) -> None:

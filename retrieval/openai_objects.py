@@ -96,7 +96,7 @@ def failed_vector_store_file(store_id: str, failed: FailedFile) -> dict[str, Any
 
 
 def file_object(stored: StoredFile) -> dict[str, Any]:
-    return stored.model_dump()
+    return stored.public()  # without the owner
 
 
 def file_content_page(chunks: Sequence[str]) -> dict[str, Any]:

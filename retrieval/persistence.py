@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict
 
 from retrieval.config import IndexConfig
 from retrieval.errors import StorageCorruptError
+from retrieval.tenancy import OPERATOR
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,9 @@ class CollectionManifest(BaseModel):
     next_doc_seq: int
     index_file: str
     documents: list[DocumentEntry]
+    # Who owns the collection (see retrieval.tenancy); absent in manifests written before owners
+    # were recorded, which belong to the operator.
+    owner: str = OPERATOR
 
 
 def index_file_name(version: int) -> str:

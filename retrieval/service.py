@@ -8,6 +8,13 @@ returns OpenAI-shaped dicts (see ``retrieval.openai_objects``) or, for ``retriev
 
 Ingestion is synchronous: ``add_file_to_store`` answers once the file is indexed (``completed``)
 or has failed (``failed`` with ``last_error``), never ``in_progress``.
+
+Tenancy: every method that touches files or stores takes ``caller`` (a ``retrieval.tenancy.Caller``,
+built by the gateway from the request's principal). Files and stores are recorded with their
+owner; someone else's object is answered exactly like a missing one (same error, same message),
+lists show only the caller's objects, and a store named by name resolves only among the caller's
+own stores. ``retrieve`` (the chat path) also searches the stores a model's policy names: by id,
+whoever owns them, or by name among the operator's stores only.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from retrieval.ingest import (
 )
 from retrieval.records import Hit, Passage, validate_attributes
 from retrieval.store import CollectionStore
+from retrieval.tenancy import OPERATOR, Caller, owner_of
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +63,7 @@ _PURPOSES = set(get_args(FilePurpose))
 _RANKERS = {"none", "auto", "default-2024-11-15"}
 _FILE_STATUSES = {"in_progress", "completed", "failed", "cancelled"}
 MAX_SEARCH_RESULTS = 50
+MAX_SEARCH_QUERIES = 16
 
 
 # One replica, always: the stores keep their state in memory and commit it to files that only
@@ -102,12 +111,17 @@ class Retriever:
         metadata: dict[str, str] | None = None,
         file_ids: list[str] | None = None,
         chunking_strategy: dict | None = None,
+        *,
+        caller: Caller,
     ) -> dict[str, Any]:
-        """Create a vector store and index ``file_ids`` into it before answering."""
+        """Create a vector store owned by ``caller`` and index ``file_ids`` (the caller's own
+        files) into it before answering."""
+        owner = owner_of(caller)
         file_ids = _string_list(file_ids or [], "file_ids")
-        uploads = [self._files.get(f) for f in dict.fromkeys(file_ids)]  # 404 before creating
+        # 404 before creating
+        uploads = [self._files.get(f, owner=owner) for f in dict.fromkeys(file_ids)]
         chunking = self._chunking(chunking_strategy)
-        coll = await asyncio.to_thread(self._stores.create, name, metadata=metadata)
+        coll = await asyncio.to_thread(self._stores.create, name, metadata=metadata, owner=owner)
         await asyncio.gather(*(self._ingest(coll, u.id, u.filename, {}, chunking) for u in uploads))
         return self._store_object(coll)
 
@@ -117,8 +131,11 @@ class Retriever:
         order: oai.Order = "desc",
         after: str | None = None,
         before: str | None = None,
+        *,
+        caller: Caller,
     ) -> dict[str, Any]:
-        infos = self._stores.list()
+        """The caller's stores; a cursor naming anyone else's store is an unknown id."""
+        infos = self._stores.list(owner=owner_of(caller))
         return oai.page(
             infos,
             item_id=lambda i: i.id,
@@ -129,18 +146,23 @@ class Retriever:
             before=before,
         )
 
-    async def get_store(self, store_id: str) -> dict[str, Any]:
-        return self._store_object(self._store(store_id))
+    async def get_store(self, store_id: str, *, caller: Caller) -> dict[str, Any]:
+        return self._store_object(self._store(store_id, caller))
 
     async def modify_store(
-        self, store_id: str, name: str | None = None, metadata: dict[str, str] | None = None
+        self,
+        store_id: str,
+        name: str | None = None,
+        metadata: dict[str, str] | None = None,
+        *,
+        caller: Caller,
     ) -> dict[str, Any]:
-        coll = self._store(store_id)
+        coll = self._store(store_id, caller)
         info = await asyncio.to_thread(self._stores.update, coll.id, name=name, metadata=metadata)
         return oai.vector_store(info, self._failed.count(coll.id))
 
-    async def delete_store(self, store_id: str) -> dict[str, Any]:
-        coll = self._store(store_id)
+    async def delete_store(self, store_id: str, *, caller: Caller) -> dict[str, Any]:
+        coll = self._store(store_id, caller)
         await asyncio.to_thread(self._stores.delete, coll.id)
         await asyncio.to_thread(self._failed.discard_store, coll.id)
         return oai.deleted("vector_store.deleted", coll.id)
@@ -148,13 +170,16 @@ class Retriever:
     # --- files --------------------------------------------------------------------------
 
     async def create_file(
-        self, filename: str, content: bytes, purpose: str = "assistants"
+        self, filename: str, content: bytes, purpose: str = "assistants", *, caller: Caller
     ) -> dict[str, Any]:
+        owner = owner_of(caller)
         if purpose not in _PURPOSES:
             raise InvalidInputError(f"purpose must be one of {sorted(_PURPOSES)}", param="purpose")
         if not isinstance(content, (bytes, bytearray)):
             raise InvalidInputError("file content must be bytes", param="file")
-        stored = await asyncio.to_thread(self._files.create, filename, bytes(content), purpose)
+        stored = await asyncio.to_thread(
+            self._files.create, filename, bytes(content), purpose, owner=owner
+        )
         return oai.file_object(stored)
 
     async def list_files(
@@ -163,11 +188,15 @@ class Retriever:
         limit: int = 10000,
         order: oai.Order = "desc",
         after: str | None = None,
+        *,
+        caller: Caller,
     ) -> dict[str, Any]:
+        """The caller's files; a cursor naming anyone else's file is an unknown id."""
+        owner = owner_of(caller)
         if purpose is not None and purpose not in _PURPOSES:
             raise InvalidInputError(f"purpose must be one of {sorted(_PURPOSES)}", param="purpose")
         return oai.page(
-            self._files.list(purpose),  # type: ignore[arg-type]
+            self._files.list(purpose, owner=owner),  # type: ignore[arg-type]
             item_id=lambda f: f.id,
             render=oai.file_object,
             limit=limit,
@@ -176,20 +205,22 @@ class Retriever:
             max_limit=10000,
         )
 
-    async def get_file(self, file_id: str) -> dict[str, Any]:
-        return oai.file_object(self._files.get(file_id))
+    async def get_file(self, file_id: str, *, caller: Caller) -> dict[str, Any]:
+        return oai.file_object(self._files.get(file_id, owner=owner_of(caller)))
 
-    async def get_file_content(self, file_id: str) -> bytes:
-        return await asyncio.to_thread(self._files.read, file_id)
+    async def get_file_content(self, file_id: str, *, caller: Caller) -> bytes:
+        return await asyncio.to_thread(self._files.read, file_id, owner=owner_of(caller))
 
-    async def delete_file(self, file_id: str) -> dict[str, Any]:
-        """Delete an upload and remove it from every vector store that indexed it."""
-        self._files.get(file_id)
+    async def delete_file(self, file_id: str, *, caller: Caller) -> dict[str, Any]:
+        """Delete an upload and remove it from every vector store that indexed it: the
+        caller's own stores, the only ones a file of theirs can be added to."""
+        owner = owner_of(caller)
+        self._files.get(file_id, owner=owner)
 
         def remove_everywhere() -> None:
-            for info in self._stores.list():
+            for store_id in self._stores.ids(owner=owner):
                 try:
-                    self._stores.get(info.id).delete_document(file_id)
+                    self._stores.get_by_id(store_id, owner=owner).delete_document(file_id)
                 except (CollectionNotFoundError, DocumentNotFoundError):
                     pass
             self._failed.discard_file(file_id)
@@ -206,10 +237,13 @@ class Retriever:
         file_id: str,
         attributes: dict | None = None,
         chunking_strategy: dict | None = None,
+        *,
+        caller: Caller,
     ) -> dict[str, Any]:
-        """Index an uploaded file into a store; answers ``completed`` or ``failed``."""
-        coll = self._store(store_id)
-        upload = self._files.get(file_id)
+        """Index an uploaded file into a store (both the caller's); answers ``completed`` or
+        ``failed``."""
+        coll = self._store(store_id, caller)
+        upload = self._files.get(file_id, owner=owner_of(caller))
         attrs = validate_attributes(attributes)
         chunking = self._chunking(chunking_strategy)
         return await self._ingest(coll, upload.id, upload.filename, attrs, chunking)
@@ -222,12 +256,14 @@ class Retriever:
         after: str | None = None,
         before: str | None = None,
         filter: str | None = None,
+        *,
+        caller: Caller,
     ) -> dict[str, Any]:
         if filter is not None and filter not in _FILE_STATUSES:
             raise InvalidInputError(
                 f"filter must be one of {sorted(_FILE_STATUSES)}", param="filter"
             )
-        coll = self._store(store_id)
+        coll = self._store(store_id, caller)
         objects = [oai.vector_store_file(coll.id, d) for d in coll.list_documents()]
         objects += [oai.failed_vector_store_file(coll.id, f) for f in self._failed.list(coll.id)]
         objects = [o for o in objects if filter is None or o["status"] == filter]
@@ -242,31 +278,37 @@ class Retriever:
             before=before,
         )
 
-    async def get_store_file(self, store_id: str, file_id: str) -> dict[str, Any]:
-        coll = self._store(store_id)
+    async def get_store_file(
+        self, store_id: str, file_id: str, *, caller: Caller
+    ) -> dict[str, Any]:
+        coll = self._store(store_id, caller)
         failed = self._failed.get(coll.id, file_id)
         if failed is not None:
             return oai.failed_vector_store_file(coll.id, failed)
         return oai.vector_store_file(coll.id, coll.get_document(file_id))
 
     async def update_store_file(
-        self, store_id: str, file_id: str, attributes: dict | None
+        self, store_id: str, file_id: str, attributes: dict | None, *, caller: Caller
     ) -> dict[str, Any]:
         """Replace an indexed file's attributes."""
-        coll = self._store(store_id)
+        coll = self._store(store_id, caller)
         doc = await asyncio.to_thread(coll.update_attributes, file_id, attributes)
         return oai.vector_store_file(coll.id, doc)
 
-    async def get_store_file_content(self, store_id: str, file_id: str) -> dict[str, Any]:
+    async def get_store_file_content(
+        self, store_id: str, file_id: str, *, caller: Caller
+    ) -> dict[str, Any]:
         """The file's chunks, in order (``vector_store.file_content.page``)."""
-        coll = self._store(store_id)
+        coll = self._store(store_id, caller)
         if self._failed.get(coll.id, file_id) is not None:
             return oai.file_content_page([])
         return oai.file_content_page(coll.document_chunks(file_id))
 
-    async def delete_store_file(self, store_id: str, file_id: str) -> dict[str, Any]:
+    async def delete_store_file(
+        self, store_id: str, file_id: str, *, caller: Caller
+    ) -> dict[str, Any]:
         """Remove a file from a store (its chunks leave search); the upload itself stays."""
-        coll = self._store(store_id)
+        coll = self._store(store_id, caller)
         if not await asyncio.to_thread(self._failed.discard, coll.id, file_id):
             await asyncio.to_thread(coll.delete_document, file_id)
         return oai.deleted("vector_store.file.deleted", file_id)
@@ -281,18 +323,26 @@ class Retriever:
         filters: dict | None = None,
         ranking_options: dict | None = None,
         rewrite_query: bool = False,
+        *,
+        caller: Caller,
     ) -> dict[str, Any]:
         """OpenAI's vector store search: best chunks first, scores clamped to [0, 1].
 
         Several queries are searched separately and merged, a chunk keeping its best score.
         ``rewrite_query`` is accepted and ignored (``search_query`` echoes the queries as
-        given), and so is ``ranking_options.ranker``: there is no re-ranker.
+        given), and so is ``ranking_options.ranker``: there is no re-ranker. This is where the
+        request's ``query`` and ``max_num_results`` are checked (the HTTP layer passes them on).
         """
-        coll = self._store(store_id)
+        coll = self._store(store_id, caller)
         queries = [query] if isinstance(query, str) else _string_list(query, "query")
-        if not queries or not all(q.strip() for q in queries):
+        if (
+            not queries
+            or len(queries) > MAX_SEARCH_QUERIES
+            or not all(q.strip() for q in queries)
+        ):
             raise InvalidInputError(
-                "query must be a non-empty string or list of them", param="query"
+                f"query must be a non-empty string or a list of 1 to {MAX_SEARCH_QUERIES} of them",
+                param="query",
             )
         if (
             not isinstance(max_num_results, int)
@@ -321,36 +371,46 @@ class Retriever:
 
     async def retrieve(
         self,
-        collections: list[str],
+        policy_collections: list[str],
+        requested: list[str] | None,
         query: str,
         top_k: int,
         min_score: float | None = None,
         *,
-        skip_missing: bool = False,
+        caller: Caller,
     ) -> list[Passage]:
-        """The chat path's retrieval: the ``top_k`` best chunks across ``collections``.
+        """The chat path's retrieval: the ``top_k`` best chunks across the chosen stores.
 
-        Collections are named by id or name (a duplicated name means its latest store); an
-        unknown one is a CollectionNotFoundError, or with ``skip_missing`` (for a model's
-        configured policy, whose stores may not be loaded yet) a logged warning. Scores are raw
-        cosine similarities, which ``min_score`` is compared with. The query is truncated to the
-        model's window rather than refused. Ties are broken by store id, file id and chunk
-        position, so the same state always gives the same passages in the same order.
+        ``policy_collections`` come from the model's retrieval policy (the operator's config):
+        each resolves by id, whoever owns the store, or by name among the operator's stores only
+        (the latest of that name), so no tenant's store can stand in for the policy's. Policy
+        stores that do not exist (yet) are skipped with a logged warning.
+
+        ``requested`` (the request's ``retrieval.collections``) must each be a store the policy
+        resolved (its id, or the name the policy gives) or one of the caller's own stores (id, or
+        name among the caller's stores); anything else is a CollectionNotFoundError, the same as
+        for a store that does not exist. A requested name matching both one of the caller's
+        stores and a policy entry means the caller's own. When ``requested`` is given (even
+        empty) exactly those stores are searched, otherwise the policy's.
+
+        Scores are raw cosine similarities, which ``min_score`` is compared with. The query is
+        truncated to the model's window rather than refused. Ties are broken by store id, file id
+        and chunk position, so the same state always gives the same passages in the same order.
         """
+        owner = owner_of(caller)
         if not isinstance(query, str) or not query.strip():
             raise InvalidInputError("the retrieval query is empty", param="messages")
         if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
             raise InvalidInputError("top_k must be a positive integer", param="top_k")
-        found: dict[str, Collection] = {}
-        for name in _string_list(collections, "collections"):
-            try:
-                coll = self._stores.get(name)
-            except CollectionNotFoundError:
-                if not skip_missing:
-                    raise
-                logger.warning("retrieval: no vector store %r, skipped", name)
-                continue
-            found[coll.id] = coll
+        policy = self._policy_stores(_string_list(policy_collections, "policy_collections"))
+        if requested is None:
+            chosen = list(policy.values())
+        else:
+            chosen = [
+                self._requested_store(entry, owner, policy)
+                for entry in _string_list(requested, "collections")
+            ]
+        found: dict[str, Collection] = {c.id: c for c in chosen}
         colls = [c for c in found.values() if c.stats().chunks]
         if not colls:
             return []
@@ -378,17 +438,53 @@ class Retriever:
 
     # --- helpers ------------------------------------------------------------------------
 
-    def _store(self, store_id: str) -> Collection:
-        """A store by id (the API's paths name stores by id only, not by name)."""
+    def _store(self, store_id: str, caller: Caller) -> Collection:
+        """One of the caller's stores, by id (the API's paths name stores by id only). Anyone
+        else's store is answered exactly as a missing one."""
+        owner = owner_of(caller)
         try:
-            coll = self._stores.get(store_id) if isinstance(store_id, str) else None
+            coll = (
+                self._stores.get_by_id(store_id, owner=owner) if isinstance(store_id, str) else None
+            )
         except CollectionNotFoundError:
             coll = None
-        if coll is None or coll.id != store_id:
+        if coll is None:
             raise CollectionNotFoundError(
                 f"No vector store found with id {store_id!r}.", param="vector_store_id"
             )
         return coll
+
+    def _policy_stores(self, entries: list[str]) -> dict[str, Collection]:
+        """A model policy's stores, by the entry that named them: ids resolve whoever owns the
+        store (the operator wrote the id), names only among the operator's stores."""
+        out: dict[str, Collection] = {}
+        for entry in entries:
+            try:
+                coll = self._stores.get_by_id(entry)
+            except CollectionNotFoundError:
+                try:
+                    coll = self._stores.get(entry, owner=OPERATOR)
+                except CollectionNotFoundError:
+                    logger.warning("retrieval: no vector store %r, skipped", entry)
+                    continue
+            out[entry] = coll
+        return out
+
+    def _requested_store(
+        self, entry: str, owner: str, policy: dict[str, Collection]
+    ) -> Collection:
+        """A store a request names: a policy store (by id or the policy's name for it) or the
+        caller's own (by id or name). Anything else is not found, like a missing store."""
+        for coll in policy.values():
+            if coll.id == entry:
+                return coll
+        try:
+            return self._stores.get(entry, owner=owner)
+        except CollectionNotFoundError:
+            pass
+        if entry in policy:
+            return policy[entry]
+        raise CollectionNotFoundError(f"no vector store {entry!r}")
 
     def _store_object(self, coll: Collection) -> dict[str, Any]:
         return oai.vector_store(coll.info(), self._failed.count(coll.id))

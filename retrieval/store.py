@@ -10,6 +10,10 @@ retrieval policy names its collections unambiguously. OpenAI's API allows duplic
 vector stores API opens its store with ``unique_names=False``; a name then resolves to the most
 recently created collection of that name (latest ``created_at``; within the same second, the one
 created last by this process, or after a restart the greater id).
+
+Owners: every collection records who owns it (see ``retrieval.tenancy``). ``get`` and ``list``
+take an optional ``owner``: given one, only that owner's collections exist for the call (by id and
+by name), so someone else's collection is "not found" like a missing one.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from retrieval.errors import (
 )
 from retrieval.persistence import TMP_MARKER, fsync_dir
 from retrieval.records import CollectionInfo
+from retrieval.tenancy import OPERATOR
 
 logger = logging.getLogger(__name__)
 
@@ -85,8 +90,9 @@ class CollectionStore:
         *,
         metadata: Mapping[str, str] | None = None,
         index_config: IndexConfig | None = None,
+        owner: str = OPERATOR,
     ) -> Collection:
-        """Create an empty persistent collection; ``name`` defaults to its id."""
+        """Create an empty persistent collection owned by ``owner``; ``name`` defaults to its id."""
         collection_id = new_collection_id()
         name = collection_id if name is None else name
         _check_name(name)
@@ -99,28 +105,49 @@ class CollectionStore:
                 dimension=self.dimension,
                 index_config=index_config or self.default_index,
                 metadata=metadata,
+                owner=owner,
             )
             self._collections[collection_id] = coll
         logger.info("created collection %s (%s)", collection_id, coll.index_config.kind)
         return coll
 
-    def get(self, id_or_name: str) -> Collection:
-        """Find a collection by id, else by name (the most recently created of that name)."""
+    def get(self, id_or_name: str, *, owner: str | None = None) -> Collection:
+        """Find a collection by id, else by name (the most recently created of that name).
+
+        With ``owner``, only that owner's collections are looked at, by id and by name.
+        """
         with self._lock:
             coll = self._collections.get(id_or_name)
-            if coll is not None:
+            if coll is not None and (owner is None or coll.owner == owner):
                 return coll
             # Reversed creation order: max() keeps the first of equal created_at, the latest.
-            named = [c for c in reversed(self._collections.values()) if c.name == id_or_name]
+            named = [
+                c
+                for c in reversed(self._collections.values())
+                if c.name == id_or_name and (owner is None or c.owner == owner)
+            ]
             if named:
                 return max(named, key=lambda c: c.created_at)
         raise CollectionNotFoundError(f"no vector store {id_or_name!r}")
 
-    def list(self) -> list[CollectionInfo]:
-        """All collections, oldest first."""
+    def get_by_id(self, collection_id: str, *, owner: str | None = None) -> Collection:
+        """Find a collection by id only (``owner`` as in ``get``)."""
         with self._lock:
-            colls = list(self._collections.values())
+            coll = self._collections.get(collection_id)
+        if coll is None or (owner is not None and coll.owner != owner):
+            raise CollectionNotFoundError(f"no vector store {collection_id!r}")
+        return coll
+
+    def list(self, *, owner: str | None = None) -> list[CollectionInfo]:
+        """All collections (or ``owner``'s), oldest first."""
+        with self._lock:
+            colls = [c for c in self._collections.values() if owner is None or c.owner == owner]
         return sorted((c.info() for c in colls), key=lambda i: (i.created_at, i.id))
+
+    def ids(self, *, owner: str | None = None) -> list[str]:
+        """Ids of all collections (or ``owner``'s)."""
+        with self._lock:
+            return [c.id for c in self._collections.values() if owner is None or c.owner == owner]
 
     def update(
         self,

@@ -29,11 +29,19 @@ for _key, _value in RAY_ENV_DEFAULTS.items():
 _DRIVER_ONLY_ENV = {"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1"}
 _DRIVER_ONLY_ENV = {k: v for k, v in _DRIVER_ONLY_ENV.items() if k not in os.environ}
 os.environ.update(_DRIVER_ONLY_ENV)
+# Serve reads it when its modules load: load them now, while it is set.
+import ray.serve  # noqa: E402,F401
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
-API_KEY = "test-key-fast-tier"
+API_KEY = "test-key-fast-tier"  # the operator's key (every scope), from the environment
 API_KEYS_ENV = "GATEWAY_TEST_API_KEYS"
+# Tenants, from the keys file: (scopes, models) by name; their keys are made per session.
+TENANTS = {
+    "alice": (["chat", "documents"], ["*"]),
+    "bob": (["chat", "documents"], ["*"]),
+    "carol": (["chat"], ["scripted"]),
+}
 
 
 def free_port() -> int:
@@ -47,7 +55,7 @@ def ray_session():
     import ray
 
     # Set before Ray starts so every replica inherits it.
-    os.environ[API_KEYS_ENV] = API_KEY
+    os.environ[API_KEYS_ENV] = f"operator={API_KEY}"
     for key in _DRIVER_ONLY_ENV:
         os.environ.pop(key, None)
     ray.init(include_dashboard=False, num_cpus=4, logging_level="WARNING")
@@ -70,8 +78,34 @@ def recorder(ray_session):
     return EngineRecorder.options(name=RECORDER_NAME, namespace=RECORDER_NAMESPACE, lifetime="detached").remote()
 
 
+def write_keys_file(path: Path, keys: dict[str, list[str]]) -> None:
+    """The keys file for ``TENANTS``, each principal with the given keys (rotation: several)."""
+    import yaml
+
+    from gateway.auth import key_digest
+
+    principals = [
+        {"name": name, "key_sha256": [key_digest(k) for k in keys[name]], "scopes": scopes, "models": models}
+        for name, (scopes, models) in TENANTS.items()
+    ]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump({"principals": principals}))
+    os.replace(tmp, path)
+
+
 @pytest.fixture(scope="session")
-def gateway_url(ray_session, recorder, tmp_path_factory) -> str:
+def tenant_keys(tmp_path_factory) -> dict:
+    """The keys file the fast-tier gateway reads, and each tenant's current key."""
+    from gateway.auth import new_key
+
+    path = tmp_path_factory.mktemp("keys") / "keys.yaml"
+    keys = {name: [new_key()] for name in TENANTS}
+    write_keys_file(path, keys)
+    return {"path": path, "keys": keys}
+
+
+@pytest.fixture(scope="session")
+def gateway_url(ray_session, recorder, tenant_keys, tmp_path_factory) -> str:
     """Base URL of the fast-tier gateway (scripted engine, real Serve app)."""
     from ray import serve
 
@@ -86,7 +120,7 @@ def gateway_url(ray_session, recorder, tmp_path_factory) -> str:
     for f in FIXTURES.glob("*.yaml"):
         (configs / f.name).write_text(f.read_text())
     config = load_config(
-        configs / "gateway.yaml", port=port, auth={"api_keys_env": API_KEYS_ENV}, retrieval={"storage_dir": str(storage)}
+        configs / "gateway.yaml", port=port, auth={"api_keys_env": API_KEYS_ENV, "keys_file": str(tenant_keys["path"])}, retrieval={"storage_dir": str(storage)}
     )
     serve.run(build_gateway(config, engine_cls=ScriptedEngine), name="gateway", route_prefix="/")
     url = f"http://127.0.0.1:{port}"
@@ -122,6 +156,17 @@ def client(gateway_url):
     from openai import OpenAI
 
     return OpenAI(base_url=gateway_url + "/v1", api_key=API_KEY, max_retries=0, timeout=30)
+
+
+@pytest.fixture
+def tenant(gateway_url, tenant_keys):
+    """An openai client for a tenant of the keys file: ``tenant("alice")``."""
+    from openai import OpenAI
+
+    def make(name: str):
+        return OpenAI(base_url=gateway_url + "/v1", api_key=tenant_keys["keys"][name][-1], max_retries=0, timeout=30)
+
+    return make
 
 
 @pytest.fixture

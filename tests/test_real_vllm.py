@@ -1,12 +1,16 @@
 """Real tier: the gateway started the way `make run` starts it, serving SmolLM2-135M-Instruct
 through Ray Serve LLM and vLLM on CPU, driven with the official openai SDK.
 
-The gateway boots once for the whole module (about 90 s on 2 cores).
+The gateway boots once for the whole module (about 90 s on 2 cores), with auth on: a keys file
+with an `operator` (every scope; the `client` fixture) and a `tenant` (chat only, one model).
+Its gateway.yaml, model file and keys file are copies in a temporary folder, so tests can
+rotate keys and edit the model's policy while it serves, without touching the repository.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import signal
 import subprocess
@@ -17,12 +21,26 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.auth import key_digest, new_key
 from tests.conftest import _DRIVER_ONLY_ENV, ROOT, free_port
 
 pytestmark = pytest.mark.real
 MODEL = "SmolLM2-135M-Instruct"
+EMBEDDING_MODEL = "all-MiniLM-L6-v2"
+MODEL_FILE = "configs/models/smollm2-135m-instruct.yaml"
 BOOT_TIMEOUT_S = 600
+# name -> (scopes, models)
+PRINCIPALS = {"operator": (["chat", "documents", "admin"], ["*"]), "tenant": (["chat"], [MODEL])}
+
+
+def replace_file(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically: a watcher never reads half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 class GatewayProcess:
@@ -31,13 +49,29 @@ class GatewayProcess:
     def __init__(self, workdir: Path):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.model_file = workdir / Path(MODEL_FILE).name
+        self.model_file.write_text((ROOT / MODEL_FILE).read_text())
+        self.keys_file = workdir / "keys.yaml"
+        self.keys = {name: [new_key()] for name in PRINCIPALS}  # each principal's keys, newest last
+        self.write_keys()
+        config = yaml.safe_load((ROOT / "configs/gateway.yaml").read_text())
+        config["models"] = [str(self.model_file)]
+        config["retrieval"]["storage_dir"] = str(workdir / "retrieval")
+        config["auth"] = {"keys_file": str(self.keys_file), "api_keys_env": None}
+        config["models_dir"] = str(os.environ.get("GATEWAY_MODELS_DIR", ROOT / ".models"))
         self.config = workdir / "gateway.yaml"
-        text = (ROOT / "configs/gateway.yaml").read_text()
-        text = text.replace("models/smollm2-135m-instruct.yaml", str(ROOT / "configs/models/smollm2-135m-instruct.yaml"))
-        text = text.replace("../.data/retrieval", str(workdir / "retrieval"))
-        self.config.write_text(text + f"models_dir: {os.environ.get('GATEWAY_MODELS_DIR', ROOT / '.models')}\n")
+        self.config.write_text(yaml.safe_dump(config))
         self.log_path = workdir / "gateway.log"
         self.proc: subprocess.Popen | None = None
+        self.boots = 0
+
+    def write_keys(self) -> None:
+        """The keys file for ``self.keys`` (replaced atomically; the gateway re-reads it)."""
+        principals = [
+            {"name": name, "key_sha256": [key_digest(k) for k in self.keys[name]], "scopes": scopes, "models": models}
+            for name, (scopes, models) in PRINCIPALS.items()
+        ]
+        replace_file(self.keys_file, yaml.safe_dump({"principals": principals}))
 
     def start(self) -> None:
         # Exactly `make run`'s environment: without the settings only this test process needs.
@@ -50,6 +84,7 @@ class GatewayProcess:
             [sys.executable, "-m", "gateway", "run", "--config", str(self.config), "--port", str(self.port)],
             cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )
+        self.boots += 1
         deadline = time.monotonic() + BOOT_TIMEOUT_S
         while True:
             assert self.proc.poll() is None, f"gateway exited with {self.proc.returncode}; see {self.log_path}"
@@ -69,6 +104,22 @@ class GatewayProcess:
             self.proc.wait()
         self.log.close()
 
+    def metrics_url(self) -> str:
+        """Where this gateway's Ray node exports metrics (vLLM's among them). Other Ray instances
+        may run on the box, so not /tmp/ray/session_latest: the session of our own raylet."""
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if os.getsid(int(pid)) != self.proc.pid:  # started with start_new_session
+                    continue
+                args = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+            except (OSError, ProcessLookupError):
+                continue
+            session = next((a.split("=", 1)[1] for a in args if a.startswith("--session_dir=")), None)
+            if session and "raylet" in args[0]:
+                (port_file,) = Path(session).glob("metrics_export_port_*")
+                return f"http://127.0.0.1:{port_file.read_text().strip()}/metrics"
+        raise AssertionError(f"no raylet of gateway pid {self.proc.pid} found")
+
 
 @pytest.fixture(scope="module")
 def gateway_process(tmp_path_factory):
@@ -84,12 +135,17 @@ def real_gateway(gateway_process) -> str:
 
 
 @pytest.fixture
-def client(real_gateway):
-    return openai.OpenAI(base_url=real_gateway + "/v1", api_key="unused", max_retries=0, timeout=120)
+def operator_key(gateway_process) -> str:
+    return gateway_process.keys["operator"][-1]
+
+
+@pytest.fixture
+def client(real_gateway, operator_key):
+    return openai.OpenAI(base_url=real_gateway + "/v1", api_key=operator_key, max_retries=0, timeout=120)
 
 
 def test_models_list(client):
-    assert [m.id for m in client.models.list().data] == [MODEL, "all-MiniLM-L6-v2"]
+    assert [m.id for m in client.models.list().data] == [MODEL, EMBEDDING_MODEL]
 
 
 def test_capital_of_france(client):
@@ -118,11 +174,12 @@ def test_stream_deltas_and_final_usage(client):
     assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (whole.usage.prompt_tokens, whole.usage.completion_tokens)
 
 
-def test_eight_concurrent_streams_have_correct_framing(real_gateway):
+def test_eight_concurrent_streams_have_correct_framing(real_gateway, operator_key):
     def run(i: int) -> tuple[int, list[str]]:
         body = {"model": MODEL, "stream": True, "max_tokens": 24, "temperature": 0,
                 "messages": [{"role": "user", "content": f"Count from {i} to {i + 5}."}]}
-        with httpx.stream("POST", real_gateway + "/v1/chat/completions", json=body, timeout=300) as r:
+        headers = {"Authorization": f"Bearer {operator_key}"}
+        with httpx.stream("POST", real_gateway + "/v1/chat/completions", json=body, headers=headers, timeout=300) as r:
             return r.status_code, [e for e in "".join(r.iter_text()).split("\n\n") if e]
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -172,7 +229,228 @@ def test_input_rail_blocks_a_card_number(client):
     assert err.value.body["code"] == "pii_blocked"
 
 
-def test_vector_stores_survive_a_full_restart(gateway_process, client):
+def wait_until(check, timeout_s: float, what: str, interval_s: float = 0.5):
+    """Poll ``check`` until it returns something truthy; that value, or fail naming ``what``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = check()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
+        time.sleep(interval_s)
+
+
+def models_call(url: str, key: str | None) -> httpx.Response:
+    """The cheapest authenticated call: GET /v1/models."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.get(url + "/v1/models", headers=headers, timeout=30)
+
+
+def test_a_key_rotates_while_serving(gateway_process, real_gateway):
+    pid, boots = gateway_process.proc.pid, gateway_process.boots
+    old = gateway_process.keys["tenant"][-1]
+    assert models_call(real_gateway, old).status_code == 200
+    anonymous = models_call(real_gateway, None)
+    assert anonymous.status_code == 401 and anonymous.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(real_gateway + "/health", timeout=30).status_code == 200  # no key needed
+
+    # 1. Add a second key: both work.
+    new = new_key()
+    gateway_process.keys["tenant"] = [old, new]
+    gateway_process.write_keys()
+    wait_until(lambda: models_call(real_gateway, new).status_code == 200, 10, "the added key to be accepted")
+    assert models_call(real_gateway, old).status_code == 200
+
+    # 2. Drop the old key: it is refused, the new one still works.
+    gateway_process.keys["tenant"] = [new]
+    gateway_process.write_keys()
+    refused = wait_until(
+        lambda: (r := models_call(real_gateway, old)).status_code == 401 and r, 10, "the dropped key to be refused"
+    )
+    error = refused.json()["error"]
+    assert (error["type"], error["code"]) == ("authentication_error", "invalid_api_key") and error["message"]
+    assert models_call(real_gateway, new).status_code == 200
+
+    # All of it without a restart.
+    assert gateway_process.proc.poll() is None
+    assert (gateway_process.proc.pid, gateway_process.boots) == (pid, boots)
+
+
+def test_tenant_key_cannot_manage_documents_or_other_models(real_gateway, gateway_process):
+    tenant = openai.OpenAI(base_url=real_gateway + "/v1", api_key=gateway_process.keys["tenant"][-1], max_retries=0, timeout=120)
+    for forbidden in (
+        lambda: tenant.vector_stores.list(),
+        lambda: tenant.files.create(file=("notes.md", b"tenant notes"), purpose="assistants"),
+    ):
+        with pytest.raises(openai.PermissionDeniedError) as err:
+            forbidden()
+        assert err.value.status_code == 403 and err.value.body["code"] == "insufficient_permissions"
+    # Its key names one model: the embedding model is hidden from it, as if it did not exist.
+    assert [m.id for m in tenant.models.list().data] == [MODEL]
+    with pytest.raises(openai.NotFoundError) as err:
+        tenant.embeddings.create(model=EMBEDDING_MODEL, input="hello")
+    assert err.value.body["code"] == "model_not_found"
+    reply = tenant.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hello."}], temperature=0, max_tokens=10
+    )
+    assert reply.choices[0].message.content
+
+
+CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def ask_capital(client):
+    return client.chat.completions.create(model=MODEL, messages=CAPITAL, temperature=0, max_tokens=30).choices[0]
+
+
+@pytest.fixture
+def paris_forbidden(gateway_process, client):
+    """The running gateway's model file with an output rail forbidding "Paris"; restored after."""
+    original = gateway_process.model_file.read_text()
+    policy = yaml.safe_load(original)
+    policy["guardrails"]["output"]["forbidden"] = [{"pattern": "Paris"}]
+    replace_file(gateway_process.model_file, yaml.safe_dump(policy, sort_keys=False))
+    try:
+        wait_until(
+            lambda: (c := ask_capital(client)).finish_reason == "content_filter" and "Paris" not in c.message.content,
+            60, "the gateway to apply the Paris rail", interval_s=1,
+        )
+        yield
+    finally:
+        replace_file(gateway_process.model_file, original)
+        wait_until(lambda: "Paris" in ask_capital(client).message.content, 60, "Paris to come back", interval_s=1)
+
+
+def leaks(choices: list[dict]) -> list[str]:
+    """Where "Paris" (any case) shows in these choices' generated text: the content, the chosen
+    logprob tokens and their bytes, and each top_logprobs alternative after the text before it."""
+    found, content, chosen, chosen_bytes = [], "", "", b""
+    for choice in choices:
+        content += (choice.get("delta") or choice.get("message") or {}).get("content") or ""
+        for entry in (choice.get("logprobs") or {}).get("content") or []:
+            for alt in entry.get("top_logprobs") or []:
+                as_text = (chosen + alt["token"]).lower()
+                as_bytes = (chosen_bytes + bytes(alt.get("bytes") or [])).decode(errors="replace").lower()
+                if "paris" in as_text or "paris" in as_bytes:
+                    found.append(f"alternative {alt!r} after {chosen[-30:]!r}")
+            chosen += entry["token"]
+            chosen_bytes += bytes(entry.get("bytes") or [])
+    for name, text in (("content", content), ("logprob tokens", chosen), ("logprob bytes", chosen_bytes.decode(errors="replace"))):
+        if "paris" in text.lower():
+            found.append(f"{name}: {text!r}")
+    return found
+
+
+# vLLM's metrics as Ray exports them (the node's metrics export port): "ray_" prefix, ":" as "_".
+GENERATION_TOKENS = "ray_vllm_generation_tokens_total"
+REQUEST_SUCCESS = "ray_vllm_request_success_total"  # label finished_reason: stop, length, abort, ...
+RUNNING = "ray_vllm_num_requests_running"  # a gauge: Ray drops it from the export ~20 s after vLLM last set it
+RAY_EXPORT_QUIET_S = 12  # longer than Ray's metrics report interval
+
+
+def vllm_metrics(url: str) -> dict[str, float | None]:
+    """vLLM's counters, summed over label sets (there is one engine). ``running`` is None
+    while the gauge is not exported (vLLM sets it on every engine step: then it is idle)."""
+    out: dict[str, float | None] = {"generation_tokens": 0.0, "finished": 0.0, "aborted": 0.0, "running": None}
+    for family in text_string_to_metric_families(httpx.get(url, timeout=10).text):
+        for sample in family.samples:
+            if sample.name == GENERATION_TOKENS:
+                out["generation_tokens"] += sample.value
+            elif sample.name == RUNNING:
+                out["running"] = (out["running"] or 0) + sample.value
+            elif sample.name == REQUEST_SUCCESS and sample.labels.get("finished_reason") == "abort":
+                out["aborted"] += sample.value
+            elif sample.name == REQUEST_SUCCESS:
+                out["finished"] += sample.value  # stop, length: the request ran to its end
+    return out
+
+
+def settled_metrics(url: str, timeout_s: float = 120) -> tuple[dict, list[dict]]:
+    """vLLM's metrics once its counters have not moved for a Ray report interval and its
+    running gauge read 0 since they last moved; with every scrape seen on the way."""
+    seen, start = [], time.monotonic()
+    while True:
+        seen.append({"t": round(time.monotonic() - start, 1), **vllm_metrics(url)})
+        now, counters = seen[-1], ("generation_tokens", "finished", "aborted")
+        moved = [m for m in seen if any(m[k] != now[k] for k in counters)]
+        since = seen[len(moved):] if not moved else seen[seen.index(moved[-1]) + 1 :]
+        if since and now["t"] - since[0]["t"] >= RAY_EXPORT_QUIET_S and any(m["running"] == 0 for m in since):
+            return now, seen
+        assert time.monotonic() - start < timeout_s, f"vLLM metrics at {url} not settled after {timeout_s}s: {seen}"
+        time.sleep(1)
+
+
+CUISINE = [{"role": "user", "content": "Write two sentences about French cuisine, then name the capital of France."}]
+
+
+def test_output_rail_cuts_the_real_stream_and_vllm_aborts(gateway_process, operator_key, paris_forbidden):
+    url = gateway_process.url + "/v1/chat/completions"
+    headers = {"Authorization": f"Bearer {operator_key}"}
+    metrics_url = gateway_process.metrics_url()
+    before, _ = settled_metrics(metrics_url)
+    # Greedy, never stopping at EOS: uncut, vLLM would generate all 1000 tokens (minutes on CPU).
+    # The answer names Paris after some 140 characters, so text and logprobs are released before
+    # the cut; and " Paris" is among the top 5 alternatives at three of those released tokens.
+    # (The answer to CAPITAL is cut inside the rail's holdback window: nothing would be released.)
+    body = {"model": MODEL, "messages": CUISINE, "temperature": 0, "max_tokens": 1000, "ignore_eos": True,
+            "logprobs": True, "top_logprobs": 5}
+
+    def stream(body: dict) -> tuple[httpx.Response, bytes]:
+        with httpx.stream("POST", url, json={**body, "stream": True}, headers=headers, timeout=300) as r:
+            return r, r.read()
+
+    # (a) streamed: the raw bytes never carry "Paris", in any field.
+    started = time.monotonic()
+    response, raw = stream(body)
+    if response.status_code == 400 and json.loads(raw)["error"]["code"] == "logprobs_not_supported_with_output_rails":
+        print("the gateway refuses logprobs with output rails: streaming without them")
+        body = {k: v for k, v in body.items() if k not in ("logprobs", "top_logprobs")}
+        started = time.monotonic()
+        response, raw = stream(body)
+    took = time.monotonic() - started
+    assert response.status_code == 200, raw[:1000]
+    assert b"paris" not in raw.lower(), raw
+    events = [e for e in raw.decode().split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events), raw
+    assert events[-1] == "data: [DONE]" and events.count("data: [DONE]") == 1
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    assert not any("error" in c for c in chunks), raw
+    choices = [choice for c in chunks for choice in c["choices"]]
+    assert [c["finish_reason"] for c in choices if c.get("finish_reason")] == ["content_filter"]
+    assert choices[-1]["finish_reason"] == "content_filter"
+    assert leaks(choices) == []
+    content = "".join((c.get("delta") or {}).get("content") or "" for c in choices)
+    entries = [e for c in choices for e in (c.get("logprobs") or {}).get("content") or []]
+    print(f"streamed answer cut after {took:.1f}s, {len(entries)} logprob entries released: {content!r}")
+    if "logprobs" in body:
+        assert entries, "no logprobs were released before the cut: nothing above checked them"
+        assert any(len(e["top_logprobs"]) < 5 for e in entries), "no alternative was withheld"
+
+    # (c) vLLM stopped generating: far short of 1000 tokens, the request never finished normally
+    # (vLLM does not count a request it aborts in request_success), nothing runs.
+    after, scrapes = settled_metrics(metrics_url)
+    generated = after["generation_tokens"] - before["generation_tokens"]
+    print(f"vLLM metrics at {metrics_url}\n  before: {before}\n  after:  {after}\n  tokens generated for the cut request: {generated:.0f}")
+    print("  scrapes after the cut:", *scrapes, sep="\n    ")
+    assert generated < 200
+    assert after["finished"] == before["finished"]
+
+    # (b) the same, not streamed: the whole body carries no "Paris" either. (max_tokens lowered:
+    # a non-streamed request runs to its end in vLLM before any rail sees it.)
+    whole = httpx.post(url, json={**body, "max_tokens": 80}, headers=headers, timeout=300)
+    assert whole.status_code == 200, whole.text
+    assert "paris" not in whole.text.lower(), whole.text
+    choice = whole.json()["choices"][0]
+    assert choice["finish_reason"] == "content_filter"
+    assert leaks([choice]) == []
+
+    # ... and the cut request stayed stopped: since, vLLM generated exactly the non-streamed answer.
+    final, _ = settled_metrics(metrics_url)
+    print(f"  after the non-streamed request ({whole.json()['usage']['completion_tokens']} tokens): {final}")
+    assert final["generation_tokens"] - after["generation_tokens"] == whole.json()["usage"]["completion_tokens"]
+
+
+def test_vector_stores_survive_a_full_restart(gateway_process, client, operator_key):
     """Ingest, restart the whole gateway (Ray included), search again: the same results."""
     store = client.vector_stores.create(name="restart-check")
     for name, text in {"a.md": "Otters hold hands while they sleep.", "b.md": "Basalt forms from cooling lava."}.items():
@@ -181,7 +459,7 @@ def test_vector_stores_survive_a_full_restart(gateway_process, client):
     before = client.vector_stores.search(vector_store_id=store.id, query="sleeping otters").model_dump()
     gateway_process.stop()
     gateway_process.start()
-    fresh = openai.OpenAI(base_url=gateway_process.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    fresh = openai.OpenAI(base_url=gateway_process.url + "/v1", api_key=operator_key, max_retries=0, timeout=120)
     after = fresh.vector_stores.search(vector_store_id=store.id, query="sleeping otters").model_dump()
     assert after == before and after["data"][0]["filename"] == "a.md"
     assert fresh.vector_stores.retrieve(store.id).file_counts.completed == 2

@@ -2,7 +2,8 @@
 
 Patterns find candidates; a validator (Luhn, ISO 13616 mod-97, SSN area rules, the Dutch 11-proof,
 the Spanish DNI/NIE control letter, octet ranges) rejects the look-alikes. No model is involved, so
-this runs on every request and every streamed window.
+this runs on every request and every streamed window. The patterns run on RE2, whose time is linear
+in the text whatever the text holds.
 
 National ids covered: US Social Security Number, Dutch BSN (burgerservicenummer, needs a nearby
 keyword because any 9 digits pass the 11-proof one time in 11), Spanish DNI and NIE.
@@ -11,10 +12,10 @@ keyword because any 9 digits pass the 11-proof one time in 11), Spanish DNI and 
 from __future__ import annotations
 
 import ipaddress
-import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from guardrails.detectors import linear_regex as lrx
 from guardrails.entities import EntityType, RuleAction
 from guardrails.verdict import PolicyCode, Verdict
 
@@ -112,123 +113,172 @@ def _card_valid(digits: str) -> bool:
 
 
 def _phone_valid(candidate: str) -> bool:
-    if re.fullmatch(r"\d{3}-\d{2}-\d{4}", candidate):
+    if len(candidate) == 11 and candidate[3] == candidate[6] == "-" and candidate.replace("-", "").isdecimal():
         return False  # SSN-shaped; the SSN rule owns it
-    digits = re.sub(r"\D", "", candidate)
+    digits = "".join(ch for ch in candidate if ch.isdecimal())
     if candidate.startswith("+"):
         return 8 <= len(digits) <= 15  # E.164 allows at most 15 digits
     return 9 <= len(digits) <= 11
 
 
 # --- patterns ---------------------------------------------------------------------------------
+#
+# RE2 (linear time) spelling of the former `re` patterns; see `linear_regex` for the conventions.
+# Each pattern is LEAD(BODY)TRAIL: LEAD is the one character a lookbehind `(?<!X)` inspected
+# (`[^X]`; `_ANY` where there was none), group 1 is what `re` matched, TRAIL stands for the
+# lookahead. `\d`/`\D` are `\p{Nd}`/`\P{Nd}` and `\w` is `[\p{L}\p{N}_]`, like Python's Unicode
+# classes; `\b` next to a word character is a lookbehind/lookahead on `\w`.
+
+_ANY = r"(?s:.)"
+_W = lrx.WORD
+_D = lrx.DIGIT
+# [A-Za-z0-9/+] under re.IGNORECASE: also long s, Kelvin sign, dotted and dotless i.
+_B64_CI = r"A-Za-z0-9/+\x{17f}\x{212a}\x{130}\x{131}"
+_S = f"[{lrx.SPACE}]"
+_OCTET = r"(?:25[0-5]|2[0-4]\p{Nd}|1\p{Nd}\p{Nd}|[1-9]?\p{Nd})"
+# (?![\d]|[.-]\d) after an international or North American number.
+_PHONE_END = r"(?:\z|[^\p{Nd}.-]|[.-](?:\z|\P{Nd}))"
+
+
+def _rx(lead: str, body: str, trail: str = "") -> lrx.Pattern:
+    return lrx.compile(f"{lead}({body}){trail}")
 
 
 @dataclass(frozen=True, slots=True)
 class _Rule:
     entity: EntityType
-    pattern: re.Pattern[str]
+    pattern: lrx.Pattern
     kind: str = ""
     # Receives the match with separators stripped where relevant; None means the regex is enough.
     validate: Callable[[str], bool] | None = None
     strip: str = ""
+    # Capturing group of the original pattern that is the entity (0: the whole match).
     group: int = 0
 
-
-def _digits(text: str) -> str:
-    return re.sub(r"\D", "", text)
+    @property
+    def strip_table(self) -> dict[int, None]:
+        return str.maketrans("", "", self.strip)
 
 
 _RULES: tuple[_Rule, ...] = (
     _Rule(
         EntityType.PRIVATE_KEY,
-        re.compile(
-            r"-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY(?: BLOCK)?-----(?:.*?-----END [A-Z0-9 ]+-----|.*\Z)", re.DOTALL
+        _rx(
+            _ANY,
+            r"(?s:-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY(?: BLOCK)?-----(?:.*?-----END [A-Z0-9 ]+-----|.*\z))",
         ),
         "pem",
     ),
     _Rule(
         EntityType.API_KEY,
-        re.compile(r"(?<![\w-])sk-(?:proj-|svcacct-|admin-|ant-)?[A-Za-z0-9_-]{20,256}"),
+        _rx(f"[^{_W}-]", r"sk-(?:proj-|svcacct-|admin-|ant-)?[A-Za-z0-9_-]{20,256}"),
         "openai",
     ),
-    _Rule(EntityType.API_KEY, re.compile(r"\b(?:AKIA|ASIA|ABIA|ACCA)[0-9A-Z]{16}\b"), "aws_access_key_id"),
     _Rule(
         EntityType.API_KEY,
-        re.compile(r"(?i)aws_secret_access_key\s*[:=]\s*[\"']?([A-Za-z0-9/+]{40})(?![A-Za-z0-9/+])"),
+        _rx(f"[^{_W}]", r"(?:AKIA|ASIA|ABIA|ACCA)[0-9A-Z]{16}", rf"(?:\z|[^{_W}])"),
+        "aws_access_key_id",
+    ),
+    _Rule(
+        EntityType.API_KEY,
+        _rx(
+            _ANY,
+            lrx.ci("aws_secret_access_key") + rf"{_S}*[:=]{_S}*[\"']?([{_B64_CI}]{{40}})",
+            rf"(?:\z|[^{_B64_CI}])",
+        ),
         "aws_secret_access_key",
         group=1,
     ),
-    _Rule(EntityType.API_KEY, re.compile(r"\bgh[pousr]_[A-Za-z0-9]{36,255}\b"), "github"),
-    _Rule(EntityType.API_KEY, re.compile(r"\bgithub_pat_[A-Za-z0-9_]{22,255}\b"), "github"),
-    _Rule(EntityType.API_KEY, re.compile(r"\bxox[bpas]-[A-Za-z0-9-]{10,255}"), "slack"),
-    _Rule(EntityType.API_KEY, re.compile(r"\bAIza[0-9A-Za-z_-]{35}(?![\w-])"), "google"),
+    _Rule(
+        EntityType.API_KEY, _rx(f"[^{_W}]", r"gh[pousr]_[A-Za-z0-9]{36,255}", rf"(?:\z|[^{_W}])"), "github"
+    ),
+    _Rule(
+        EntityType.API_KEY, _rx(f"[^{_W}]", r"github_pat_[A-Za-z0-9_]{22,255}", rf"(?:\z|[^{_W}])"), "github"
+    ),
+    _Rule(EntityType.API_KEY, _rx(f"[^{_W}]", r"xox[bpas]-[A-Za-z0-9-]{10,255}"), "slack"),
+    _Rule(EntityType.API_KEY, _rx(f"[^{_W}]", r"AIza[0-9A-Za-z_-]{35}", rf"(?:\z|[^{_W}-])"), "google"),
     _Rule(
         EntityType.API_KEY,
-        re.compile(r"\beyJ[A-Za-z0-9_-]{5,}\.eyJ[A-Za-z0-9_-]{5,}\.[A-Za-z0-9_-]*"),
+        _rx(f"[^{_W}]", r"eyJ[A-Za-z0-9_-]{5,}\.eyJ[A-Za-z0-9_-]{5,}\.[A-Za-z0-9_-]*"),
         "jwt",
     ),
     _Rule(
         EntityType.EMAIL,
-        re.compile(
-            r"(?<![\w.%+-])[A-Za-z0-9](?:[A-Za-z0-9._%+-]{0,62}[A-Za-z0-9_%+-])?"
-            r"@(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.)+[A-Za-z]{2,24}(?![\w-])"
+        _rx(
+            f"[^{_W}.%+-]",
+            r"[A-Za-z0-9](?:[A-Za-z0-9._%+-]{0,62}[A-Za-z0-9_%+-])?"
+            r"@(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.)+[A-Za-z]{2,24}",
+            rf"(?:\z|[^{_W}-])",
         ),
     ),
     _Rule(
         EntityType.IBAN,
-        re.compile(r"(?<![A-Za-z0-9])[A-Za-z]{2}\d{2}(?: ?[A-Za-z0-9]){11,30}(?![A-Za-z0-9])"),
+        _rx("[^A-Za-z0-9]", r"[A-Za-z]{2}\p{Nd}{2}(?: ?[A-Za-z0-9]){11,30}", r"(?:\z|[^A-Za-z0-9])"),
         validate=iban_valid,
         strip=" ",
     ),
     _Rule(
         EntityType.CREDIT_CARD,
-        re.compile(r"(?<![\d.-])\d(?:[ -]?\d){12,18}(?![\d-]|\.\d)"),
+        _rx(f"[^{_D}.-]", r"\p{Nd}(?:[ -]?\p{Nd}){12,18}", r"(?:\z|[^\p{Nd}.-]|\.(?:\z|\P{Nd}))"),
         validate=_card_valid,
         strip=" -",
     ),
-    _Rule(EntityType.US_SSN, re.compile(r"(?<![\d-])\d{3}-\d{2}-\d{4}(?![\d-])"), validate=ssn_valid, strip="-"),
+    _Rule(
+        EntityType.US_SSN,
+        _rx(f"[^{_D}-]", r"\p{Nd}{3}-\p{Nd}{2}-\p{Nd}{4}", r"(?:\z|[^\p{Nd}-])"),
+        validate=ssn_valid,
+        strip="-",
+    ),
     _Rule(
         EntityType.NL_BSN,
-        re.compile(r"(?i)\b(?:bsn|burgerservicenummer|sofinummer)\b\D{0,30}?(\d{4}\.?\d{2}\.?\d{3}|\d{8,9})(?![\d.])"),
+        # `\b\D{0,30}?` after the keyword: the first non-digit must be a non-word character.
+        _rx(
+            f"[^{_W}]",
+            "(?:" + "|".join(lrx.ci(k) for k in ("bsn", "burgerservicenummer", "sofinummer")) + ")"
+            rf"[^{_W}]\P{{Nd}}{{0,29}}?(\p{{Nd}}{{4}}\.?\p{{Nd}}{{2}}\.?\p{{Nd}}{{3}}|\p{{Nd}}{{8,9}})",
+            r"(?:\z|[^\p{Nd}.])",
+        ),
         validate=bsn_valid,
         strip=".",
         group=1,
     ),
     _Rule(
         EntityType.ES_NIF,
-        re.compile(r"(?<![\w-])(?:\d{8}|[XYZxyz][- ]?\d{7})[- ]?[A-Za-z](?![\w-])"),
+        _rx(f"[^{_W}-]", r"(?:\p{Nd}{8}|[XYZxyz][- ]?\p{Nd}{7})[- ]?[A-Za-z]", rf"(?:\z|[^{_W}-])"),
         validate=nif_valid,
         strip=" -",
     ),
     _Rule(
         EntityType.IP_ADDRESS,
-        re.compile(
-            r"(?<![\w.])(?:(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)\.){3}(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)(?![\w]|\.\d)"
-        ),
+        _rx(f"[^{_W}.]", rf"(?:{_OCTET}\.){{3}}{_OCTET}", rf"(?:\z|[^{_W}.]|\.(?:\z|\P{{Nd}}))"),
         "ipv4",
     ),
     _Rule(
         EntityType.IP_ADDRESS,
-        re.compile(r"(?<![\w:])(?:[0-9A-Fa-f]{0,4}:){2,7}[0-9A-Fa-f]{0,4}(?![\w:])"),
+        _rx(f"[^{_W}:]", r"(?:[0-9A-Fa-f]{0,4}:){2,7}[0-9A-Fa-f]{0,4}", rf"(?:\z|[^{_W}:])"),
         "ipv6",
         validate=_ipv6_valid,
     ),
     _Rule(
         EntityType.PHONE,
         # International: +CC then groups separated by space, dot or dash, optional (area) part.
-        re.compile(r"(?<![\w+])\+\d{1,3}(?:[ .-]?\(\d{1,4}\))?(?:[ .-]?\d{1,5}){2,6}(?![\d]|[.-]\d)"),
+        _rx(f"[^{_W}+]", r"\+\p{Nd}{1,3}(?:[ .-]?\(\p{Nd}{1,4}\))?(?:[ .-]?\p{Nd}{1,5}){2,6}", _PHONE_END),
         validate=_phone_valid,
     ),
     _Rule(
         EntityType.PHONE,
         # North American: (415) 555-2671, 415-555-2671, 415.555.2671.
-        re.compile(r"(?<![\w(.-])(?:\(\d{3}\) ?|\d{3}[-. ])\d{3}[-. ]\d{4}(?![\d]|[.-]\d)"),
+        _rx(f"[^{_W}(.-]", r"(?:\(\p{Nd}{3}\) ?|\p{Nd}{3}[-. ])\p{Nd}{3}[-. ]\p{Nd}{4}", _PHONE_END),
         validate=_phone_valid,
     ),
     _Rule(
         EntityType.PHONE,
         # European national trunk prefix 0: 020 7946 0958, 06-12345678, 030 1234567, 01 23 45 67 89.
-        re.compile(r"(?<![\w.+/-])0[1-9]\d{0,3}(?:[ -]?\d{2,4}){1,4}(?![\d]|[./-]\d)"),
+        _rx(
+            f"[^{_W}.+/-]",
+            r"0[1-9]\p{Nd}{0,3}(?:[ -]?\p{Nd}{2,4}){1,4}",
+            r"(?:\z|[^\p{Nd}./-]|[./-](?:\z|\P{Nd}))",
+        ),
         validate=_phone_valid,
     ),
 )
@@ -241,19 +291,20 @@ def detect(text: str, entities: Iterable[EntityType] | None = None) -> list[PiiF
     """Find PII and secrets in `text`, sorted by position, overlapping findings resolved to the longest."""
     wanted = set(EntityType) if entities is None else set(entities)
     found: list[PiiFinding] = []
+    subject = lrx.lead_subject(text)
     for rule in _RULES:
         if rule.entity not in wanted:
             continue
-        for match in rule.pattern.finditer(text):
-            start, end = match.span(rule.group)
+        # Group 1 of the RE2 pattern is the original match, group g + 1 the original group g.
+        for start, end in lrx.finditer_spans(rule.pattern, subject, rule.group + 1):
             if rule.entity is EntityType.IBAN:
                 finding = _iban_finding(text, start, end)
                 if finding:
                     found.append(finding)
                 continue
-            value = match.group(rule.group)
+            value = text[start:end]
             if rule.strip:
-                value = re.sub(f"[{re.escape(rule.strip)}]", "", value)
+                value = value.translate(rule.strip_table)
             if rule.validate is None or rule.validate(value):
                 found.append(PiiFinding(rule.entity, start, end, rule.kind))
     return _resolve_overlaps(found)

@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from engines.config import ConfigError, ModelConfig, load_model_config
+from engines.config import ConfigError
+from gateway.model_file import ModelFile as ModelConfig
+from gateway.model_file import load_model_file as load_model_config
 from engines.deployments import deployment_config, llm_config, placement_group_config
 from gateway.config import load_config
 
@@ -65,7 +67,7 @@ def test_invalid_values_are_rejected(tmp_path, text, fragment):
 def test_gateway_config_errors(tmp_path):
     write(tmp_path, "model_id: m\nsource: {path: /x}\n", "a.yaml")
     write(tmp_path, "model_id: m\nsource: {path: /y}\n", "b.yaml")
-    with pytest.raises(ConfigError, match="more than one model file"):
+    with pytest.raises(ConfigError, match="used by more than one model"):
         load_config(write(tmp_path, "models: [a.yaml, b.yaml]\n", "gw.yaml"))
     with pytest.raises(ConfigError, match="gw2.yaml: invalid configuration\n  port"):
         load_config(write(tmp_path, "models: [a.yaml]\nport: 99999\n", "gw2.yaml"))

@@ -14,12 +14,17 @@ CARD = "4111 1111 1111 1111"  # a Luhn-valid test card number
 
 
 def chat(client, content: str, script: str | None = None, **kwargs):
-    """A user message; ``script`` directs the scripted engine from a system message, which
-    the input rails leave alone (they check what users and tools write)."""
+    """A user message; ``script`` directs the scripted engine from a system message. The input
+    rails check every role, so text the engine must say but the rails would catch on the way
+    in goes hex-encoded (``say_hex``)."""
     messages = [{"role": "user", "content": content}]
     if script:
         messages.insert(0, {"role": "system", "content": script})
     return client.chat.completions.create(model=MODEL, messages=messages, **kwargs)
+
+
+def say_hex(text: str) -> str:
+    return f"[[say-hex:{text.encode().hex()}]]"
 
 
 def test_credit_card_is_blocked_before_the_engine(client, engine_events):
@@ -102,7 +107,7 @@ def test_non_streaming_answer_gets_the_same_rails(client):
 
 
 def test_output_email_is_redacted_in_the_stream(client):
-    stream = chat(client, "How do I reach you?", "[[say:reach me at john.smith@example.org any time]]", stream=True)
+    stream = chat(client, "How do I reach you?", say_hex("reach me at john.smith@example.org any time"), stream=True)
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert "john.smith@example.org" not in text and "<EMAIL>" in text and text.endswith("any time")
 

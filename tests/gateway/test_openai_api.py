@@ -12,7 +12,7 @@ USER = [{"role": "user", "content": "hello there"}]
 
 def test_models_list_and_retrieve(client):
     ids = sorted(m.id for m in client.models.list().data)
-    assert ids == ["all-MiniLM-L6-v2", "scripted", "scripted-b", "scripted-guarded"]
+    assert ids == ["all-MiniLM-L6-v2", "gpt-4o-mini", "scripted", "scripted-b", "scripted-guarded"]
     model = client.models.retrieve("scripted")
     assert (model.id, model.object, model.owned_by) == ("scripted", "model", "ray-llm-gateway")
     with pytest.raises(NotFoundError) as err:

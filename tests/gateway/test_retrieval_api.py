@@ -121,10 +121,14 @@ def test_chat_gets_the_matching_passage(client, handbook, engine_events):
     assert reply.choices[0].message.content
     prompt = engine_events("started")[0]["prompt"]
     assert prompt.startswith("system: ") and "27 paid vacation days" in prompt
+    # Sources name documents: not sent unless the policy or the request asks.
+    assert "x-retrieval-sources" not in raw.headers and "sources" not in raw.http_response.json()
+    raw = client.chat.completions.with_raw_response.create(
+        model="scripted-guarded", messages=[{"role": "user", "content": "How many vacation days per year?"}],
+        extra_body={"retrieval": {"return_sources": True}},
+    )
     sources = json.loads(raw.headers["x-retrieval-sources"])
     assert sources[0]["file_id"] == files["vacation.md"] and sources[0]["vector_store_id"] == store.id
-    # Strict clients see the usual body; the sources field is opt-in.
-    assert "sources" not in raw.http_response.json()
 
 
 def test_sources_on_request_and_retrieval_switched_off(client, handbook, engine_events):
@@ -160,7 +164,12 @@ def test_retrieval_override_is_validated(http, handbook):
 def test_streaming_chat_carries_the_sources_header(gateway_url, handbook):
     from tests.conftest import API_KEY
 
-    body = {"model": "scripted-guarded", "stream": True, "messages": [{"role": "user", "content": "How do I feed the sourdough starter?"}]}
+    body = {
+        "model": "scripted-guarded",
+        "stream": True,
+        "messages": [{"role": "user", "content": "How do I feed the sourdough starter?"}],
+        "retrieval": {"return_sources": True},
+    }
     with httpx.stream("POST", gateway_url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"}) as r:
         assert r.status_code == 200
         sources = json.loads(r.headers["x-retrieval-sources"])

@@ -92,3 +92,36 @@ def test_policy_is_frozen():
     policy = GuardrailPolicy()
     with pytest.raises(ValidationError):
         policy.fail_open = True  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "pattern, why",
+    [
+        (r"(a)\1", "backreferences are not supported"),
+        (r"(?P<x>a)(?P=x)", "backreferences are not supported"),
+        (r"(?<!x)secret", "lookbehind is not supported"),
+        (r"secret(?=x)", "lookahead is not supported"),
+        (r"secret(?!x)", "lookahead is not supported"),
+        (r"secret\Z", r"write \\z for the end of the text"),
+        (r"a\Cb", "any byte"),
+    ],
+)
+def test_forbidden_regex_must_compile_with_re2(pattern, why):
+    with pytest.raises(GuardrailConfigError, match="does not compile") as err:
+        load_policy({"output": {"forbidden": [{"pattern": pattern, "regex": True}]}}, source="m.yaml")
+    assert "m.yaml: guardrails.output.forbidden.0" in str(err.value)
+    assert why.replace("\\\\", "\\") in str(err.value)
+
+
+def test_forbidden_literals_and_re2_regexes_load():
+    policy = load_policy(
+        {
+            "output": {
+                "forbidden": [
+                    {"pattern": r"(a)\1 (?<!x) \Z"},  # a literal: any characters are fine
+                    {"pattern": r"ticket-\d{4}\z", "regex": True},
+                ]
+            }
+        }
+    )
+    assert [p.regex for p in policy.output.forbidden] == [False, True]

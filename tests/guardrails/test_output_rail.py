@@ -194,3 +194,25 @@ def test_disabled_output_rail_releases_immediately():
     guard = StreamGuard.from_policy(load_policy({"output": {"enabled": False}}))
     assert guard.push("card 4111 1111 1111 1111").text == "card 4111 1111 1111 1111"
     assert guard.finish().text == "" and guard.verdict.allowed
+
+
+def test_pattern_check_runs_on_re2_and_escapes_literals():
+    from guardrails.detectors.linear_regex import Pattern
+
+    check = PatternCheck(
+        [ForbiddenPattern(pattern="a.b*(c)"), ForbiddenPattern(pattern=r"id-\d+", regex=True, ignore_case=False)]
+    )
+    assert all(isinstance(p, Pattern) for p, _ in check._compiled)
+    text = "ü axbbc A.B*(C) id-12 ID-34"
+    assert [(text[m.start : m.end], m.label) for m in check.scan(text)] == [("A.B*(C)", "pattern 0"), ("id-12", "pattern 1")]
+
+
+def test_pattern_check_literal_folds_case_like_re():
+    check = PatternCheck([ForbiddenPattern(pattern="project titan")])
+    for text in ("PROJECT TITAN", "project tİtan", "Project Tıtan"):
+        assert [(m.start, m.end) for m in check.scan(f"é {text}!")] == [(2, 15)], text
+
+
+def test_pattern_check_survives_text_utf8_cannot_encode():
+    check = PatternCheck([ForbiddenPattern(pattern="secret")])
+    assert [(m.start, m.end) for m in check.scan("\ud800 secret")] == [(2, 8)]

@@ -211,3 +211,48 @@ def test_pii_verdict_block_wins_over_redact():
 
 def test_pii_verdict_allows_clean_text():
     assert check_pii("What's the capital of France?", ACTIONS).allowed
+
+
+# --- RE2 boundaries: lookbehind/lookahead emulation keeps the spans of the `re` patterns ----------
+
+
+@pytest.mark.parametrize(
+    "text, entity, values",
+    [
+        # A boundary character consumed after one match is the lookbehind of the next.
+        ("a@b.cc d@e.ff", EntityType.EMAIL, ["a@b.cc", "d@e.ff"]),
+        ("a@b.cc,d@e.ff", EntityType.EMAIL, ["a@b.cc", "d@e.ff"]),
+        ("1.2.3.4 5.6.7.8", EntityType.IP_ADDRESS, ["1.2.3.4", "5.6.7.8"]),
+        ("536-22-1234 536-22-1235", EntityType.US_SSN, ["536-22-1234", "536-22-1235"]),
+        ("+31 6 12345678,+44 20 7946 0958", EntityType.PHONE, ["+31 6 12345678", "+44 20 7946 0958"]),
+        ("12345678Z X1234567L", EntityType.ES_NIF, ["12345678Z", "X1234567L"]),
+        ("AKIAIOSFODNN7EXAMPLE AKIAIOSFODNN7EXAMPLF", EntityType.API_KEY, ["AKIAIOSFODNN7EXAMPLE", "AKIAIOSFODNN7EXAMPLF"]),
+        # A lookahead that fails makes the pattern back off to a shorter match, as in `re`.
+        ("mail a@b.cd.ef-x", EntityType.EMAIL, ["a@b.cd"]),
+        ("x@y.zz" * 3, EntityType.EMAIL, ["x@y.zzx", "y.zzx@y.zz"]),  # what `re` found too
+        ("ip 1.2.3.4.5", EntityType.IP_ADDRESS, []),
+        ("ip 1.2.3.4. next", EntityType.IP_ADDRESS, ["1.2.3.4"]),
+    ],
+)
+def test_adjacent_and_backed_off_matches(text, entity, values):
+    assert only(text, entity) == values
+
+
+def test_word_boundaries_are_unicode_like_re():
+    # `\b` and `\w` count non-ASCII letters and digits as word characters, as Python's `re` did.
+    assert only("éAKIAIOSFODNN7EXAMPLE", EntityType.API_KEY) == []
+    assert only("AKIAIOSFODNN7EXAMPLE日", EntityType.API_KEY) == []
+    assert only("«AKIAIOSFODNN7EXAMPLE»", EntityType.API_KEY) == ["AKIAIOSFODNN7EXAMPLE"]
+    assert only("ü sk-proj-aB3dE5fG7hJ9kL1mN3pQ5rS7", EntityType.API_KEY) == ["sk-proj-aB3dE5fG7hJ9kL1mN3pQ5rS7"]
+    assert only("üsk-proj-aB3dE5fG7hJ9kL1mN3pQ5rS7", EntityType.API_KEY) == []
+    assert only("ñjohn@example.org", EntityType.EMAIL) == []
+    assert only("— john@example.org —", EntityType.EMAIL) == ["john@example.org"]
+    assert only("BSN: 111222333", EntityType.NL_BSN) == ["111222333"]
+    assert only("éBSN: 111222333", EntityType.NL_BSN) == []
+    # `\d` is any decimal digit, as before: a full-width SSN is still an SSN.
+    assert only("ssn ５３６-２２-１２３４", EntityType.US_SSN) == ["５３６-２２-１２３４"]
+
+
+def test_spans_are_str_offsets_after_multibyte_text():
+    text = "🙂🙂 mail jane@example.org, ünd (415) 555-2671"
+    assert entities(text) == [(EntityType.EMAIL, "jane@example.org"), (EntityType.PHONE, "(415) 555-2671")]

@@ -26,8 +26,12 @@ from retrieval.errors import (  # noqa: E402
 )
 from retrieval.records import Passage  # noqa: E402
 from retrieval.service import Retriever  # noqa: E402
+from retrieval.tenancy import Caller  # noqa: E402
 
 APP = "retrieval-serve-test"
+# An admin key: the corpus is the operator's, so a model policy may name its store "docs".
+# Ownership between tenants is tested in test_retrieval_tenancy.py.
+OP = Caller("ops", admin=True)
 
 SENTENCES = [
     f"Sentence number {i} is about {topic}."
@@ -134,11 +138,11 @@ def corpus(retriever):
     """A store named "docs" holding the three DOCS; returns (store id, {filename: file id})."""
     file_ids = {}
     for name, text in DOCS.items():
-        uploaded = retriever.create_file.remote(name, text.encode(), "assistants").result()
+        uploaded = retriever.create_file.remote(name, text.encode(), "assistants", caller=OP).result()
         file_ids[name] = uploaded["id"]
-    store = retriever.create_store.remote(name="docs", metadata={"topic": "mixed"}).result()
+    store = retriever.create_store.remote(name="docs", metadata={"topic": "mixed"}, caller=OP).result()
     added = [
-        retriever.add_file_to_store.remote(store["id"], fid, {"filename": name})
+        retriever.add_file_to_store.remote(store["id"], fid, {"filename": name}, caller=OP)
         for name, fid in file_ids.items()
     ]
     for response in added:
@@ -200,7 +204,7 @@ def test_search_finds_the_right_document_first(retriever, corpus):
         "What is the offside rule?": "football.txt",
     }
     for query, expected in cases.items():
-        page = retriever.search.remote(store_id, query, max_num_results=5).result()
+        page = retriever.search.remote(store_id, query, max_num_results=5, caller=OP).result()
         assert page["object"] == "vector_store.search_results.page"
         assert page["search_query"] == [query] and page["has_more"] is False
         assert page["next_page"] is None
@@ -215,12 +219,12 @@ def test_search_finds_the_right_document_first(retriever, corpus):
 def test_search_options(retriever, corpus):
     store_id, file_ids = corpus
     query = ["black hole event horizon", "penalty area goalkeeper"]
-    page = retriever.search.remote(store_id, query, max_num_results=50).result()
+    page = retriever.search.remote(store_id, query, max_num_results=50, caller=OP).result()
     assert page["search_query"] == query
     # Several queries: each chunk once, with its best score over the queries.
     best: dict[tuple[str, str], float] = {}
     for q in query:
-        for item in retriever.search.remote(store_id, q, max_num_results=50).result()["data"]:
+        for item in retriever.search.remote(store_id, q, max_num_results=50, caller=OP).result()["data"]:
             key = (item["file_id"], item["content"][0]["text"])
             best[key] = max(best.get(key, 0.0), item["score"])
     merged = {(i["file_id"], i["content"][0]["text"]): i["score"] for i in page["data"]}
@@ -228,21 +232,22 @@ def test_search_options(retriever, corpus):
     tops = [page["data"][0]["file_id"], page["data"][1]["file_id"]]
     assert file_ids["black_holes.md"] in tops or file_ids["football.txt"] in tops
     only_pasta = retriever.search.remote(
-        store_id, "black holes", filters={"type": "eq", "key": "filename", "value": "pasta.md"}
+        store_id, "black holes", filters={"type": "eq", "key": "filename", "value": "pasta.md"}, caller=OP
     ).result()
     assert {item["file_id"] for item in only_pasta["data"]} == {file_ids["pasta.md"]}
     strict = retriever.search.remote(
-        store_id, "black holes", ranking_options={"score_threshold": 0.99}
+        store_id, "black holes", ranking_options={"score_threshold": 0.99}, caller=OP
     ).result()
     assert strict["data"] == []
     for bad in (
         {"query": ""},
         {"query": "x", "max_num_results": 0},
+        {"query": ["x"] * 17},
         {"query": "x", "filters": {"type": "eq"}},
         {"query": "x", "ranking_options": {"score_threshold": 2}},
     ):
         with pytest.raises(InvalidInputError):
-            retriever.search.remote(store_id, **bad).result()
+            retriever.search.remote(store_id, **bad, caller=OP).result()
 
 
 def test_objects_follow_the_openai_schema(retriever, corpus):
@@ -250,7 +255,7 @@ def test_objects_follow_the_openai_schema(retriever, corpus):
     from openai.types.vector_stores import VectorStoreFile
 
     store_id, file_ids = corpus
-    store = retriever.get_store.remote(store_id).result()
+    store = retriever.get_store.remote(store_id, caller=OP).result()
     assert set(store) == {
         "id",
         "object",
@@ -265,24 +270,24 @@ def test_objects_follow_the_openai_schema(retriever, corpus):
     }
     VectorStore.model_validate(store)
     assert store["file_counts"]["completed"] >= 3 and store["metadata"] == {"topic": "mixed"}
-    vs_file = retriever.get_store_file.remote(store_id, file_ids["pasta.md"]).result()
+    vs_file = retriever.get_store_file.remote(store_id, file_ids["pasta.md"], caller=OP).result()
     VectorStoreFile.model_validate(vs_file)
     assert vs_file["chunking_strategy"] == {
         "type": "static",
         "static": {"max_chunk_size_tokens": 40, "chunk_overlap_tokens": 8},
     }
     assert vs_file["status"] == "completed" and vs_file["last_error"] is None
-    FileObject.model_validate(retriever.get_file.remote(file_ids["pasta.md"]).result())
-    content = retriever.get_store_file_content.remote(store_id, file_ids["pasta.md"]).result()
+    FileObject.model_validate(retriever.get_file.remote(file_ids["pasta.md"], caller=OP).result())
+    content = retriever.get_store_file_content.remote(store_id, file_ids["pasta.md"], caller=OP).result()
     assert content["object"] == "vector_store.file_content.page" and len(content["data"]) >= 2
     assert (
-        retriever.get_file_content.remote(file_ids["pasta.md"]).result()
+        retriever.get_file_content.remote(file_ids["pasta.md"], caller=OP).result()
         == DOCS["pasta.md"].encode()
     )
-    listing = retriever.list_store_files.remote(store_id, limit=2, order="asc").result()
+    listing = retriever.list_store_files.remote(store_id, limit=2, order="asc", caller=OP).result()
     assert len(listing["data"]) == 2 and listing["has_more"] is True
-    temp = retriever.create_store.remote(name="temp").result()
-    deleted = retriever.delete_store.remote(temp["id"]).result()
+    temp = retriever.create_store.remote(name="temp", caller=OP).result()
+    deleted = retriever.delete_store.remote(temp["id"], caller=OP).result()
     VectorStoreDeleted.model_validate(deleted)
     assert deleted == {"id": temp["id"], "object": "vector_store.deleted", "deleted": True}
 
@@ -290,73 +295,76 @@ def test_objects_follow_the_openai_schema(retriever, corpus):
 def test_undecodable_file_fails_with_last_error(retriever, corpus):
     store_id, _ = corpus
     binary = retriever.create_file.remote(
-        "image.png", b"\x89PNG\r\n\x1a\n\x00\x00\x00", "assistants"
+        "image.png", b"\x89PNG\r\n\x1a\n\x00\x00\x00", "assistants", caller=OP
     ).result()
-    added = retriever.add_file_to_store.remote(store_id, binary["id"]).result()
+    added = retriever.add_file_to_store.remote(store_id, binary["id"], caller=OP).result()
     assert added["status"] == "failed"
     assert added["last_error"]["code"] == "unsupported_file"
-    failed = retriever.list_store_files.remote(store_id, filter="failed").result()
+    failed = retriever.list_store_files.remote(store_id, filter="failed", caller=OP).result()
     assert [f["id"] for f in failed["data"]] == [binary["id"]]
-    assert retriever.get_store.remote(store_id).result()["file_counts"]["failed"] == 1
-    assert retriever.delete_store_file.remote(store_id, binary["id"]).result()["deleted"]
-    assert retriever.get_store.remote(store_id).result()["file_counts"]["failed"] == 0
+    assert retriever.get_store.remote(store_id, caller=OP).result()["file_counts"]["failed"] == 1
+    assert retriever.delete_store_file.remote(store_id, binary["id"], caller=OP).result()["deleted"]
+    assert retriever.get_store.remote(store_id, caller=OP).result()["file_counts"]["failed"] == 0
 
 
 def test_retrieve_for_chat_is_deterministic(retriever, corpus):
     store_id, file_ids = corpus
     query = "Which black hole is in the middle of the Milky Way?"
-    first = retriever.retrieve.remote(["docs"], query, 3).result()
+    first = retriever.retrieve.remote(["docs"], None, query, 3, caller=OP).result()
     assert all(isinstance(p, Passage) for p in first) and len(first) == 3
     assert first[0].file_id == file_ids["black_holes.md"]
     assert (first[0].vector_store_id, first[0].vector_store_name) == (store_id, "docs")
     assert first[0].source == "black_holes.md" and "Sagittarius" in first[0].text
     assert [p.score for p in first] == sorted((p.score for p in first), reverse=True)
-    again = retriever.retrieve.remote([store_id, "docs"], query, 3).result()  # same store twice
-    assert again == first
-    high = retriever.retrieve.remote(["docs"], query, 3, 0.99).result()
+    again = retriever.retrieve.remote([store_id, "docs"], None, query, 3, caller=OP).result()
+    assert again == first  # the same store twice
+    high = retriever.retrieve.remote(["docs"], None, query, 3, 0.99, caller=OP).result()
     assert high == []
+    # Requested stores must exist; the policy's may not (yet).
     with pytest.raises(CollectionNotFoundError):
-        retriever.retrieve.remote(["no-such-store"], query, 3).result()
-    lenient = retriever.retrieve.remote(["no-such-store", "docs"], query, 3, skip_missing=True)
+        retriever.retrieve.remote(["docs"], ["no-such-store"], query, 3, caller=OP).result()
+    lenient = retriever.retrieve.remote(["no-such-store", "docs"], None, query, 3, caller=OP)
     assert lenient.result() == first
+    requested = retriever.retrieve.remote([], ["docs"], query, 3, caller=OP)  # its own store
+    assert requested.result() == first
 
 
 def test_deleting_a_file_removes_its_chunks(retriever, corpus):
     store_id, _ = corpus
-    volcano = retriever.create_file.remote("volcano.txt", VOLCANO.encode(), "assistants").result()
-    retriever.add_file_to_store.remote(store_id, volcano["id"]).result()
+    volcano = retriever.create_file.remote("volcano.txt", VOLCANO.encode(), "assistants", caller=OP).result()
+    retriever.add_file_to_store.remote(store_id, volcano["id"], caller=OP).result()
     query = "lava and ash from an erupting volcano"
-    before = retriever.search.remote(store_id, query).result()
+    before = retriever.search.remote(store_id, query, caller=OP).result()
     assert before["data"][0]["file_id"] == volcano["id"]
-    deleted = retriever.delete_file.remote(volcano["id"]).result()
+    deleted = retriever.delete_file.remote(volcano["id"], caller=OP).result()
     assert deleted == {"id": volcano["id"], "object": "file", "deleted": True}
-    after = retriever.search.remote(store_id, query).result()
+    after = retriever.search.remote(store_id, query, caller=OP).result()
     assert volcano["id"] not in {item["file_id"] for item in after["data"]}
     with pytest.raises(DocumentNotFoundError):
-        retriever.get_store_file.remote(store_id, volcano["id"]).result()
+        retriever.get_store_file.remote(store_id, volcano["id"], caller=OP).result()
     with pytest.raises(FileNotFoundInStoreError):
-        retriever.get_file.remote(volcano["id"]).result()
+        retriever.get_file.remote(volcano["id"], caller=OP).result()
 
 
 def test_errors_cross_ray_typed(retriever):
     with pytest.raises(CollectionNotFoundError) as info:
-        retriever.get_store.remote("vs_missing").result()
+        retriever.get_store.remote("vs_missing", caller=OP).result()
     err = info.value
     assert isinstance(err, RetrievalError)
     assert (err.status, err.code, err.param) == (404, "vector_store_not_found", "vector_store_id")
     assert err.message == "No vector store found with id 'vs_missing'."
     with pytest.raises(InvalidInputError):
-        retriever.create_file.remote("a.txt", b"x", "not-a-purpose").result()
+        retriever.create_file.remote("a.txt", b"x", "not-a-purpose", caller=OP).result()
 
 
 def test_duplicate_store_names_are_allowed(retriever):
-    a = retriever.create_store.remote(name="dup").result()
-    b = retriever.create_store.remote(name="dup").result()
+    a = retriever.create_store.remote(name="dup", caller=OP).result()
+    b = retriever.create_store.remote(name="dup", caller=OP).result()
     assert a["id"] != b["id"]
-    names = [s["name"] for s in retriever.list_stores.remote(limit=100).result()["data"]]
+    names = [s["name"] for s in retriever.list_stores.remote(limit=100, caller=OP).result()["data"]]
     assert names.count("dup") == 2
     for store in (a, b):
-        retriever.delete_store.remote(store["id"]).result()
+        retriever.delete_store.remote(store["id"], caller=OP).result()
 
 
 def test_cli_ingest_through_an_sdk_shaped_client(retriever, tmp_path):
@@ -383,14 +391,14 @@ def test_cli_ingest_through_an_sdk_shaped_client(retriever, tmp_path):
 def test_state_survives_a_restart(retriever, corpus, storage):
     store_id, _ = corpus
     queries = ["offside position", "event horizon light", "salted boiling water"]
-    before = [retriever.search.remote(store_id, q).result() for q in queries]
-    passages = retriever.retrieve.remote(["docs"], queries[1], 4).result()
-    listing = retriever.list_store_files.remote(store_id).result()
+    before = [retriever.search.remote(store_id, q, caller=OP).result() for q in queries]
+    passages = retriever.retrieve.remote(["docs"], None, queries[1], 4, caller=OP).result()
+    listing = retriever.list_store_files.remote(store_id, caller=OP).result()
     serve.delete(APP)
     restarted, _ = _start(storage)
-    assert [restarted.search.remote(store_id, q).result() for q in queries] == before
-    assert restarted.retrieve.remote(["docs"], queries[1], 4).result() == passages
-    assert restarted.list_store_files.remote(store_id).result() == listing
+    assert [restarted.search.remote(store_id, q, caller=OP).result() for q in queries] == before
+    assert restarted.retrieve.remote(["docs"], None, queries[1], 4, caller=OP).result() == passages
+    assert restarted.list_store_files.remote(store_id, caller=OP).result() == listing
 
 
 class HandleClient:
@@ -408,16 +416,16 @@ class HandleClient:
         h = handle
         self.files = SimpleNamespace(
             create=lambda file, purpose: FileObject.model_validate(
-                h.create_file.remote(file[0], file[1], purpose).result()
+                h.create_file.remote(file[0], file[1], purpose, caller=OP).result()
             )
         )
         files = SimpleNamespace(
             create=lambda store_id, file_id, attributes=None: VectorStoreFile.model_validate(
-                h.add_file_to_store.remote(store_id, file_id, attributes).result()
+                h.add_file_to_store.remote(store_id, file_id, attributes, caller=OP).result()
             ),
             content=lambda file_id, vector_store_id: [
                 SimpleNamespace(**item)
-                for item in h.get_store_file_content.remote(vector_store_id, file_id).result()[
+                for item in h.get_store_file_content.remote(vector_store_id, file_id, caller=OP).result()[
                     "data"
                 ]
             ],
@@ -425,10 +433,10 @@ class HandleClient:
         self.vector_stores = SimpleNamespace(
             list=lambda limit=20: [
                 VectorStore.model_validate(s)
-                for s in h.list_stores.remote(limit=limit).result()["data"]
+                for s in h.list_stores.remote(limit=limit, caller=OP).result()["data"]
             ],
             create=lambda name: VectorStore.model_validate(
-                h.create_store.remote(name=name).result()
+                h.create_store.remote(name=name, caller=OP).result()
             ),
             files=files,
             search=lambda store_id, query, max_num_results: self._search(
@@ -440,5 +448,5 @@ class HandleClient:
     def _search(h, store_id, query, max_num_results):
         from openai.types import VectorStoreSearchResponse
 
-        page = h.search.remote(store_id, query, max_num_results=max_num_results).result()
+        page = h.search.remote(store_id, query, max_num_results=max_num_results, caller=OP).result()
         return [VectorStoreSearchResponse.model_validate(item) for item in page["data"]]
