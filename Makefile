@@ -7,7 +7,7 @@ export GATEWAY_MODELS_DIR ?= $(CURDIR)/.models
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup install models run test test-fast test-real bench clean
+.PHONY: setup install models run test lint browser bench clean
 
 setup: install models
 
@@ -41,7 +41,17 @@ $(GATEWAY_MODELS_DIR)/injection_classifier.npz: $(GATEWAY_MODELS_DIR)/.prepared 
 run: setup
 	$(PY) -m gateway run --config configs/gateway.yaml
 
-test: setup
+# ruff: lint and format check, before any test runs.
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+# The chat page's tests drive Debian's chromium through playwright (whose own browser
+# download does not work offline). Installed only when missing; needs root, as apt does.
+browser:
+	test -x /usr/bin/chromium || (apt-get update && apt-get install -y chromium)
+
+test: setup lint browser
 	$(PY) -m pytest -q -m "not real" tests
 	$(PY) -m pytest -q -m real tests
 

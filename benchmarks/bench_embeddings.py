@@ -50,10 +50,7 @@ WORDS = (
 def make_sentences(n: int, seed: int = 7) -> list[str]:
     """Varied sentences of 8 to 20 words (about 10 to 25 tokens), reproducible."""
     rng = random.Random(seed)
-    return [
-        " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 20))).capitalize() + "."
-        for _ in range(n)
-    ]
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 20))).capitalize() + "." for _ in range(n)]
 
 
 async def drive(handle, sentences: list[str], concurrency: int, seconds: float) -> dict:
@@ -94,9 +91,7 @@ async def measure(args: argparse.Namespace) -> None:
 
     sentences = make_sentences(4096)
     configs = {
-        "batched": EmbeddingModelConfig(
-            num_threads=args.threads, max_batch_size=BATCH, batch_wait_timeout_s=args.wait
-        ),
+        "batched": EmbeddingModelConfig(num_threads=args.threads, max_batch_size=BATCH, batch_wait_timeout_s=args.wait),
         "unbatched": EmbeddingModelConfig(num_threads=args.threads, max_batch_size=1),
     }
     handles = {}
@@ -153,15 +148,9 @@ def report(results: dict, ceiling: float, args: argparse.Namespace) -> None:
         ("batched", f"Serve, batching ON ({BATCH})"),
         ("unbatched", "Serve, batching OFF (1)"),
     ):
-        cells = "".join(
-            f"{median(label, c, 'rate'):8.1f} ({median(label, c, 'p50_ms'):4.0f}ms)"
-            for c in CONCURRENCY
-        )
+        cells = "".join(f"{median(label, c, 'rate'):8.1f} ({median(label, c, 'p50_ms'):4.0f}ms)" for c in CONCURRENCY)
         print(f"{title:28s}{cells}")
-    ratios = "".join(
-        f"{median('batched', c, 'rate') / median('unbatched', c, 'rate'):15.2f}x"
-        for c in CONCURRENCY
-    )
+    ratios = "".join(f"{median('batched', c, 'rate') / median('unbatched', c, 'rate'):15.2f}x" for c in CONCURRENCY)
     print(f"{'ON / OFF':28s}{ratios}")
     print(f"{'in-process ceiling (32)':28s}{ceiling:16.1f}")
     on32 = median("batched", 32, "rate")

@@ -27,9 +27,7 @@ from retrieval.collection import Collection  # noqa: E402
 from retrieval.config import IndexConfig  # noqa: E402
 
 
-def clustered_vectors(
-    rng: np.random.Generator, n: int, dim: int, centers: np.ndarray, noise: float
-) -> np.ndarray:
+def clustered_vectors(rng: np.random.Generator, n: int, dim: int, centers: np.ndarray, noise: float) -> np.ndarray:
     """Points around random unit centres plus Gaussian noise of norm about ``noise``, normalised
     (cosine to their centre about 1/sqrt(1 + noise^2))."""
     picks = rng.integers(0, len(centers), size=n)
@@ -88,9 +86,7 @@ def main() -> None:
     k = 10
 
     rng = np.random.default_rng(args.seed)
-    centers = rng.standard_normal(
-        (args.clusters or max(10, args.n // 500), args.dim), dtype=np.float32
-    )
+    centers = rng.standard_normal((args.clusters or max(10, args.n // 500), args.dim), dtype=np.float32)
     faiss.normalize_L2(centers)
     data = clustered_vectors(rng, args.n, args.dim, centers, args.noise)
     queries = clustered_vectors(rng, args.queries, args.dim, centers, args.noise)
@@ -121,10 +117,7 @@ def main() -> None:
     hits = hnsw.search(queries[0], k)
     assert [h.chunk_id for h in hits] == [int(i) for i in raw_hnsw.search(queries[:1], k)[1][0]]
 
-    print(
-        f"\n{args.n} x {args.dim}, top_k={k}, 1 thread, single queries "
-        f"(efConstruction={args.ef_construction})\n"
-    )
+    print(f"\n{args.n} x {args.dim}, top_k={k}, 1 thread, single queries (efConstruction={args.ef_construction})\n")
     header = (
         f"{'index':<26}{'recall@10':>10}{'raw p50':>10}{'raw p99':>10}"
         f"{'ours p50':>10}{'ours p99':>10}{'p50 ratio':>11}{'p99 ratio':>11}"

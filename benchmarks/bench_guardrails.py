@@ -84,7 +84,9 @@ def start_gateway(workdir: Path) -> str:
     port = free_port()
     ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_gateway(load_config(workdir / "gateway.yaml"), engine_cls=ScriptedEngine), name="bench", route_prefix="/")
+    serve.run(
+        build_gateway(load_config(workdir / "gateway.yaml"), engine_cls=ScriptedEngine), name="bench", route_prefix="/"
+    )
     return f"http://127.0.0.1:{port}"
 
 
@@ -109,8 +111,14 @@ def input_latency(http: httpx.Client, model: str, prompts: list[str]) -> list[fl
 
 def per_chunk_ms(http: httpx.Client, model: str, streams: int, tokens: int = 200) -> list[float]:
     out = []
-    body = {"model": model, "stream": True, "messages": [
-        {"role": "system", "content": f"[[tokens:{tokens}]]"}, {"role": "user", "content": "Count for me."}]}
+    body = {
+        "model": model,
+        "stream": True,
+        "messages": [
+            {"role": "system", "content": f"[[tokens:{tokens}]]"},
+            {"role": "user", "content": "Count for me."},
+        ],
+    }
     for _ in range(streams):
         stamps = []
         with http.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -167,8 +175,12 @@ def main() -> int:
     parser.add_argument("--streams", type=int, default=10, help="200-token streams per model per round")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--batch-wait-s", type=float, default=0.005, help="embedding deployment's batch_wait_timeout_s")
-    parser.add_argument("--rail-embedding", choices=["local", "shared"], default="local",
-                        help="guardrails.embedding: the replica's own int8 encoder, or the embedding deployment")
+    parser.add_argument(
+        "--rail-embedding",
+        choices=["local", "shared"],
+        default="local",
+        help="guardrails.embedding: the replica's own int8 encoder, or the embedding deployment",
+    )
     args = parser.parse_args()
     global BATCH_WAIT_S, RAIL_EMBEDDING
     BATCH_WAIT_S, RAIL_EMBEDDING = args.batch_wait_s, args.rail_embedding
@@ -190,20 +202,28 @@ def main() -> int:
         local = in_process(prompts)
 
     off, on = lat["rails-off"], lat["rails-on"]
-    print(f"\ninput rails through the gateway ({len(off)} requests each, sequential, scripted engine, "
-          f"guardrails.embedding: {RAIL_EMBEDDING})")
+    print(
+        f"\ninput rails through the gateway ({len(off)} requests each, sequential, scripted engine, "
+        f"guardrails.embedding: {RAIL_EMBEDDING})"
+    )
     print(f"{'':>12} {'p50 ms':>8} {'p99 ms':>8}")
     print(f"{'rails off':>12} {pct(off, 50):8.2f} {pct(off, 99):8.2f}")
     print(f"{'rails on':>12} {pct(on, 50):8.2f} {pct(on, 99):8.2f}")
-    print(f"{'added':>12} {pct(on, 50) - pct(off, 50):8.2f} {pct(on, 99) - pct(off, 99):8.2f}   (target: p50 under 15 ms)")
+    print(
+        f"{'added':>12} {pct(on, 50) - pct(off, 50):8.2f} {pct(on, 99) - pct(off, 99):8.2f}   (target: p50 under 15 ms)"
+    )
     print(f"benign prompts blocked by the rails: {BLOCKED.get('rails-on', 0)} of {len(on)}")
     c_off, c_on = statistics.median(chunk["rails-off"]), statistics.median(chunk["rails-on"])
-    print(f"\noutput rails on 200-token streams: {c_off:.3f} ms/chunk off, {c_on:.3f} ms/chunk on, "
-          f"added {c_on - c_off:.3f} ms/chunk (target: under 1 ms)")
-    print(f"\nin process, no Serve hop, 1 thread: MiniLM embedding of one prompt p50 "
-          f"{local['embed_torch_p50']:.2f} ms torch, {local['embed_onnx-int8_p50']:.2f} ms int8 ONNX (the rails' default); "
-          f"rails on one text p50 {local['rails_p50']:.3f} ms, p99 {local['rails_p99']:.3f} ms; "
-          f"StreamGuard.push {local['push_us']:.1f} us per delta")
+    print(
+        f"\noutput rails on 200-token streams: {c_off:.3f} ms/chunk off, {c_on:.3f} ms/chunk on, "
+        f"added {c_on - c_off:.3f} ms/chunk (target: under 1 ms)"
+    )
+    print(
+        f"\nin process, no Serve hop, 1 thread: MiniLM embedding of one prompt p50 "
+        f"{local['embed_torch_p50']:.2f} ms torch, {local['embed_onnx-int8_p50']:.2f} ms int8 ONNX (the rails' default); "
+        f"rails on one text p50 {local['rails_p50']:.3f} ms, p99 {local['rails_p99']:.3f} ms; "
+        f"StreamGuard.push {local['push_us']:.1f} us per delta"
+    )
     return 0
 
 

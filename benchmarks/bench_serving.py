@@ -76,10 +76,12 @@ class Server:
         self.log_path = log_dir / f"{name}.log"
         self.proc: subprocess.Popen | None = None
 
-    def __enter__(self) -> "Server":
+    def __enter__(self) -> Server:
         started = time.monotonic()
         self.log = open(self.log_path, "a")
-        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=self.env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.cmd, cwd=ROOT, env=self.env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited; see {self.log_path}")
@@ -106,15 +108,45 @@ class Server:
         time.sleep(3)  # let Ray's and vLLM's processes release the cores
 
 
-def run_load(server: Server, model: str, tokenizer: str, concurrency: int, prompts: int, out_dir: Path, tag: str) -> dict:
+def run_load(
+    server: Server, model: str, tokenizer: str, concurrency: int, prompts: int, out_dir: Path, tag: str
+) -> dict:
     result_file = f"{tag}.json"
     cmd = VLLM_CLI + [
-        "bench", "serve", "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
-        "--base-url", f"http://127.0.0.1:{server.port}", "--model", model, "--tokenizer", tokenizer,
-        "--dataset-name", "random", "--random-input-len", "128", "--random-output-len", "64", "--ignore-eos",
-        "--num-prompts", str(prompts), "--max-concurrency", str(concurrency), "--seed", "0",
-        "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
-        "--save-result", "--result-dir", str(out_dir), "--result-filename", result_file,
+        "bench",
+        "serve",
+        "--backend",
+        "openai-chat",
+        "--endpoint",
+        "/v1/chat/completions",
+        "--base-url",
+        f"http://127.0.0.1:{server.port}",
+        "--model",
+        model,
+        "--tokenizer",
+        tokenizer,
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        "128",
+        "--random-output-len",
+        "64",
+        "--ignore-eos",
+        "--num-prompts",
+        str(prompts),
+        "--max-concurrency",
+        str(concurrency),
+        "--seed",
+        "0",
+        "--percentile-metrics",
+        "ttft,tpot,itl",
+        "--metric-percentiles",
+        "50,99",
+        "--save-result",
+        "--result-dir",
+        str(out_dir),
+        "--result-filename",
+        result_file,
     ]
     subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=server.env)
     data = json.loads((out_dir / result_file).read_text())
@@ -128,7 +160,9 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--prompts-per-stream", type=int, default=6, help="requests per concurrent stream")
     parser.add_argument("--gateway-env", action="append", default=[], help="KEY=VALUE for the gateway's processes")
-    parser.add_argument("--stages", choices=["off", "on"], default="off", help="guardrail and retrieval stages of the model")
+    parser.add_argument(
+        "--stages", choices=["off", "on"], default="off", help="guardrail and retrieval stages of the model"
+    )
     args = parser.parse_args()
 
     out_dir = ROOT / "benchmarks" / "results" / time.strftime("serving-%Y%m%d-%H%M%S")
@@ -143,10 +177,22 @@ def main() -> int:
 
     def servers():
         vllm_port, gw_port = free_port(), free_port()
-        raw = Server("vllm", VLLM_CLI + ["serve", folder, "--served-model-name", model.model_id, "--port", str(vllm_port)]
-                     + engine_flags(model.engine.kwargs), base_env, vllm_port, out_dir)
-        gw = Server("gateway", [sys.executable, "-m", "gateway", "run", "--config", args.config, "--port", str(gw_port)],
-                    gateway_env, gw_port, out_dir)
+        raw = Server(
+            "vllm",
+            VLLM_CLI
+            + ["serve", folder, "--served-model-name", model.model_id, "--port", str(vllm_port)]
+            + engine_flags(model.engine.kwargs),
+            base_env,
+            vllm_port,
+            out_dir,
+        )
+        gw = Server(
+            "gateway",
+            [sys.executable, "-m", "gateway", "run", "--config", args.config, "--port", str(gw_port)],
+            gateway_env,
+            gw_port,
+            out_dir,
+        )
         return raw, gw
 
     results: dict[tuple[str, int], list[dict]] = {}
@@ -160,10 +206,21 @@ def main() -> int:
                 ready.setdefault(server.name, []).append(server.ready_s)
                 run_load(server, model.model_id, folder, 1, 2, out_dir, f"warmup-{server.name}-{r}")
                 for c in args.concurrency:
-                    figures = run_load(server, model.model_id, folder, c, c * args.prompts_per_stream, out_dir, f"{server.name}-c{c}-r{r}")
+                    figures = run_load(
+                        server,
+                        model.model_id,
+                        folder,
+                        c,
+                        c * args.prompts_per_stream,
+                        out_dir,
+                        f"{server.name}-c{c}-r{r}",
+                    )
                     results.setdefault((server.name, c), []).append(figures)
-                    print(f"    c={c}: {figures['output_throughput']:.1f} tok/s, TTFT p50 {figures['median_ttft_ms']:.0f} ms, "
-                          f"TPOT p50 {figures['median_tpot_ms']:.1f} ms", flush=True)
+                    print(
+                        f"    c={c}: {figures['output_throughput']:.1f} tok/s, TTFT p50 {figures['median_ttft_ms']:.0f} ms, "
+                        f"TPOT p50 {figures['median_tpot_ms']:.1f} ms",
+                        flush=True,
+                    )
 
     def med(name: str, c: int, key: str) -> float:
         return statistics.median(f[key] for f in results[(name, c)])
@@ -171,7 +228,9 @@ def main() -> int:
     print(f"\n{model.model_id}, 128 tokens in / 64 out, medians of {args.rounds} rounds")
     header = f"{'':>4} | {'output tok/s':>24} | {'TTFT p50 (ms)':>24} | {'TPOT p50 (ms)':>24}"
     print(header + "\n" + "-" * len(header))
-    print(f"{'c':>4} | {'vllm':>7} {'gateway':>8} {'ratio':>7} | {'vllm':>7} {'gateway':>8} {'ratio':>7} | {'vllm':>7} {'gateway':>8} {'ratio':>7}")
+    print(
+        f"{'c':>4} | {'vllm':>7} {'gateway':>8} {'ratio':>7} | {'vllm':>7} {'gateway':>8} {'ratio':>7} | {'vllm':>7} {'gateway':>8} {'ratio':>7}"
+    )
     summary = {}
     for c in args.concurrency:
         row = []
@@ -180,8 +239,15 @@ def main() -> int:
             row.append(f"{v:7.1f} {g:8.1f} {g / v:6.2f}x")
             summary[f"c{c}_{key}"] = {"vllm": v, "gateway": g, "ratio": g / v}
         print(f"{c:>4} | " + " | ".join(row))
-    print(f"\nready in (median): vllm {statistics.median(ready['vllm']):.0f} s, gateway {statistics.median(ready['gateway']):.0f} s")
-    (out_dir / "summary.json").write_text(json.dumps({"rounds": args.rounds, "stages": args.stages, "gateway_env": args.gateway_env, "figures": summary}, indent=2))
+    print(
+        f"\nready in (median): vllm {statistics.median(ready['vllm']):.0f} s, gateway {statistics.median(ready['gateway']):.0f} s"
+    )
+    (out_dir / "summary.json").write_text(
+        json.dumps(
+            {"rounds": args.rounds, "stages": args.stages, "gateway_env": args.gateway_env, "figures": summary},
+            indent=2,
+        )
+    )
     print(f"raw results: {out_dir}")
     return 0
 

@@ -36,7 +36,7 @@ class ModelSource(StrictModel):
     hf_repo: str | None = Field(None, description="hub repository id (clusters with network access)")
 
     @model_validator(mode="after")
-    def _exactly_one(self) -> "ModelSource":
+    def _exactly_one(self) -> ModelSource:
         given = [k for k in ("embedded", "path", "hf_repo") if getattr(self, k)]
         if len(given) != 1:
             raise ValueError(f"set exactly one of embedded, path, hf_repo (got {given or 'none'})")
@@ -73,7 +73,7 @@ class Placement(StrictModel):
     strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = "PACK"
 
     @model_validator(mode="after")
-    def _cpu_rules(self) -> "Placement":
+    def _cpu_rules(self) -> Placement:
         if self.accelerator == "cpu":
             if self.accelerator_type:
                 raise ValueError("accelerator_type only applies to accelerator: gpu")
@@ -92,7 +92,7 @@ class Autoscaling(StrictModel):
     target_ongoing_requests: float = Field(16, gt=0)
 
     @model_validator(mode="after")
-    def _ordered(self) -> "Autoscaling":
+    def _ordered(self) -> Autoscaling:
         if self.min_replicas > self.max_replicas:
             raise ValueError("min_replicas must not exceed max_replicas")
         return self

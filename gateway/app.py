@@ -51,14 +51,22 @@ def build_gateway(config: LoadedConfig, *, engine_cls: type | None = None) -> Ap
                 index=gw.retrieval.index,
                 chunking=gw.retrieval.chunking,
             )
-            retriever = Retriever.options(ray_actor_options={"num_cpus": gw.retrieval.num_cpus}).bind(embedder, retrieval_config)
+            retriever = Retriever.options(ray_actor_options={"num_cpus": gw.retrieval.num_cpus}).bind(
+                embedder, retrieval_config
+            )
     if gw.guardrails.enabled:
-        classifier = config.resolve(gw.guardrails.classifier_path) if gw.guardrails.classifier_path else config.models_dir / INJECTION_CLASSIFIER
+        classifier = (
+            config.resolve(gw.guardrails.classifier_path)
+            if gw.guardrails.classifier_path
+            else config.models_dir / INJECTION_CLASSIFIER
+        )
         local_encoder = None
         if gw.guardrails.embedding == "local":
             # One thread: the guardrails encode one request's texts at a time, and the engine
             # holds the other core.
-            local_encoder = embedding_config.model_copy(update={"backend": gw.guardrails.local_backend, "num_threads": 1})
+            local_encoder = embedding_config.model_copy(
+                update={"backend": gw.guardrails.local_backend, "num_threads": 1}
+            )
         guard = Guardrails.options(
             num_replicas=gw.guardrails.num_replicas,
             ray_actor_options={"num_cpus": gw.guardrails.num_cpus, "runtime_env": {"env_vars": OMP_ENV}},

@@ -119,7 +119,9 @@ def completion_texts(data: dict[str, Any]) -> list[TextSlot]:
 
 def blocked_error(verdict, param: str = "messages") -> APIError:
     code = verdict.code.value if verdict.code else "guardrail_blocked"
-    return APIError(400, f"The request was blocked by the {verdict.rail} guardrail: {verdict.reason}.", param=param, code=code)
+    return APIError(
+        400, f"The request was blocked by the {verdict.rail} guardrail: {verdict.reason}.", param=param, code=code
+    )
 
 
 async def input_rails(
@@ -140,7 +142,10 @@ async def input_rails(
         if policy.fail_open:
             return False
         raise APIError(
-            503, "The guardrails service is unavailable; try again shortly.", type=UNAVAILABLE, code="guardrails_unavailable"
+            503,
+            "The guardrails service is unavailable; try again shortly.",
+            type=UNAVAILABLE,
+            code="guardrails_unavailable",
         ) from None
     if decision.verdict.blocked:
         raise blocked_error(decision.verdict, param)
@@ -161,14 +166,18 @@ class RetrievalRequest:
     return_sources: bool = False
 
     @classmethod
-    def parse(cls, raw: Any, policy: RetrievalPolicy) -> "RetrievalRequest":
+    def parse(cls, raw: Any, policy: RetrievalPolicy) -> RetrievalRequest:
         if raw is None:
             return cls()
         if not isinstance(raw, dict):
             raise bad_request("'retrieval' must be an object.", param="retrieval", code="invalid_value")
         unknown = sorted(set(raw) - {"enabled", "collections", "top_k", "return_sources"})
         if unknown:
-            raise bad_request(f"Unrecognized retrieval option: {unknown[0]}", param=f"retrieval.{unknown[0]}", code="unknown_parameter")
+            raise bad_request(
+                f"Unrecognized retrieval option: {unknown[0]}",
+                param=f"retrieval.{unknown[0]}",
+                code="unknown_parameter",
+            )
         override = {k for k in ("enabled", "collections", "top_k") if k in raw}
         if override and not policy.allow_request_override:
             raise bad_request(
@@ -178,7 +187,9 @@ class RetrievalRequest:
             )
         collections = raw.get("collections")
         if collections is not None and (
-            not isinstance(collections, list) or not all(isinstance(c, str) for c in collections) or len(collections) > 16
+            not isinstance(collections, list)
+            or not all(isinstance(c, str) for c in collections)
+            or len(collections) > 16
         ):
             raise bad_request(
                 "'retrieval.collections' must be an array of at most 16 vector store ids or names.",
@@ -187,10 +198,14 @@ class RetrievalRequest:
             )
         top_k = raw.get("top_k")
         if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= 50):
-            raise bad_request("'retrieval.top_k' must be an integer from 1 to 50.", param="retrieval.top_k", code="invalid_value")
+            raise bad_request(
+                "'retrieval.top_k' must be an integer from 1 to 50.", param="retrieval.top_k", code="invalid_value"
+            )
         return_sources = raw.get("return_sources", False)
         if not isinstance(return_sources, bool):
-            raise bad_request("'retrieval.return_sources' must be a boolean.", param="retrieval.return_sources", code="invalid_value")
+            raise bad_request(
+                "'retrieval.return_sources' must be a boolean.", param="retrieval.return_sources", code="invalid_value"
+            )
         return cls(raw.get("enabled"), collections, top_k, return_sources)
 
 
@@ -212,7 +227,9 @@ def last_user_text(messages: list[dict[str, Any]]) -> str:
             continue
         content = message.get("content")
         if isinstance(content, list):
-            content = " ".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+            content = " ".join(
+                p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
+            )
         if isinstance(content, str) and content.strip():
             return content
     return ""
@@ -242,7 +259,12 @@ async def retrieval(
         return []
     passages: list[Passage] = await call(
         retriever.retrieve.remote(
-            policy.collections, request.collections, query, request.top_k or policy.top_k, policy.min_score, caller=caller
+            policy.collections,
+            request.collections,
+            query,
+            request.top_k or policy.top_k,
+            policy.min_score,
+            caller=caller,
         )
     )
     if passages and guard is not None and guard_policy.enabled:
@@ -256,7 +278,9 @@ async def retrieval(
     return passages
 
 
-async def _checked_passages(guard: DeploymentHandle, model_id: str, policy: GuardrailPolicy, passages: list[Passage]) -> list[Passage]:
+async def _checked_passages(
+    guard: DeploymentHandle, model_id: str, policy: GuardrailPolicy, passages: list[Passage]
+) -> list[Passage]:
     """The same rails on what retrieval found: each passage's text and the filename placed
     beside it. A passage that fails either is dropped (a poisoned document must not take the
     whole conversation down); a redaction is applied."""

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from engines.config import ConfigError, StrictModel, format_validation_error, read_yaml
-from gateway.model_file import ModelFile, load_model_file
 from engines.provision import default_models_dir
+from gateway.model_file import ModelFile, load_model_file
 from retrieval.config import ChunkingConfig, EmbeddingModelConfig, IndexConfig
 
 
@@ -72,6 +73,53 @@ class GuardrailSettings(StrictModel):
     num_cpus: float = Field(0.1, ge=0)
 
 
+# An origin is what browsers send in `Origin`: scheme, host and port, no path or trailing slash.
+_ORIGIN = re.compile(r"^https?://[^/\s]+$")
+
+
+class CorsSettings(StrictModel):
+    """Which other web origins' pages may call the gateway from a browser (CORS).
+
+    Off by default: no origin is allowed. The built-in chat page needs none of this, because
+    the gateway serves it itself and a page calling its own origin is not cross-origin. Chat UIs
+    with their own backend (Open WebUI, LibreChat) call the gateway from that backend and need
+    none either; only pages that call the gateway straight from the browser do.
+    """
+
+    allow_origins: list[str] = Field(default_factory=list, description='e.g. ["http://localhost:3000"], or ["*"]')
+    allow_methods: list[str] = Field(default_factory=lambda: ["GET", "POST", "DELETE"])
+    allow_headers: list[str] = Field(default_factory=lambda: ["Authorization", "Content-Type"])
+    # Response headers a cross-origin page may read (the sources of a retrieval answer, and
+    # which model config produced it).
+    expose_headers: list[str] = Field(default_factory=lambda: ["X-Retrieval-Sources", "X-Config-Version"])
+    # Cookies and HTTP auth. The gateway authenticates with bearer keys, not cookies.
+    allow_credentials: bool = False
+    max_age_s: int = Field(600, ge=0, description="how long browsers may cache a preflight answer")
+
+    @field_validator("allow_origins")
+    @classmethod
+    def _origins(cls, origins: list[str]) -> list[str]:
+        for origin in origins:
+            if origin != "*" and not _ORIGIN.match(origin):
+                raise ValueError(f"{origin!r} is not an origin (scheme://host[:port], no path or trailing slash)")
+        return origins
+
+    @model_validator(mode="after")
+    def _no_wildcard_with_credentials(self) -> CorsSettings:
+        # With credentials, Starlette answers "*" by echoing whatever the browser asked for:
+        # every site on the web could then call the gateway with the user's cookies.
+        wildcards = [k for k in ("allow_origins", "allow_methods", "allow_headers") if "*" in getattr(self, k)]
+        if self.allow_credentials and wildcards:
+            raise ValueError(
+                f'"*" in {", ".join(wildcards)} cannot be combined with allow_credentials: true; list them'
+            )
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.allow_origins)
+
+
 class GatewayConfig(StrictModel):
     """Top-level gateway settings."""
 
@@ -89,9 +137,10 @@ class GatewayConfig(StrictModel):
     embedding: EmbeddingSettings = EmbeddingSettings()
     retrieval: RetrievalSettings = RetrievalSettings()
     guardrails: GuardrailSettings = GuardrailSettings()
+    cors: CorsSettings = CorsSettings()
 
     @model_validator(mode="after")
-    def _unique_files(self) -> "GatewayConfig":
+    def _unique_files(self) -> GatewayConfig:
         if len(set(self.models)) != len(self.models):
             raise ValueError("a model file is listed twice")
         return self
@@ -163,5 +212,7 @@ def load_config(path: str | Path, **overrides) -> LoadedConfig:
     names = ids + [a for m in models for a in m.aliases] + [gateway.embedding.model_id]
     duplicates = sorted({i for i in names if names.count(i) > 1})
     if duplicates:
-        raise ConfigError(f"{path}: model name {duplicates} is used by more than one model (ids and aliases must be unique)")
+        raise ConfigError(
+            f"{path}: model name {duplicates} is used by more than one model (ids and aliases must be unique)"
+        )
     return LoadedConfig(path=path, gateway=gateway, models=models, model_files=model_files)

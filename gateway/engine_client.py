@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from ray import exceptions as ray_exceptions
 from ray.llm._internal.serve.core.configs.openai_api_models import ErrorResponse
@@ -44,7 +45,9 @@ def error_from_engine(err: ErrorResponse) -> APIError:
     if status >= 500:
         logger.error("engine error %s: %s", status, info.type)
         return internal_error()
-    return APIError(status, info.message, param=getattr(info, "param", None), code="invalid_value" if status == 400 else None)
+    return APIError(
+        status, info.message, param=getattr(info, "param", None), code="invalid_value" if status == 400 else None
+    )
 
 
 def _first_error(item: Any) -> ErrorResponse | None:
@@ -78,7 +81,9 @@ class EngineClient:
             logger.warning("engine unavailable for %s: %s", method, type(exc).__name__)
             raise engine_unavailable() from None
         except ray_exceptions.RayTaskError as exc:
-            logger.error("engine %s failed before its first item: %s", method, type(exc.cause).__name__ if exc.cause else exc)
+            logger.error(
+                "engine %s failed before its first item: %s", method, type(exc.cause).__name__ if exc.cause else exc
+            )
             raise internal_error() from None
         error = _first_error(first)
         if error is not None:

@@ -23,7 +23,15 @@ UNAVAILABLE = "service_unavailable_error"
 class APIError(Exception):
     """An error to report to the client with an HTTP status and an OpenAI body."""
 
-    def __init__(self, status: int, message: str, *, type: str = INVALID_REQUEST, param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = INVALID_REQUEST,
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -40,7 +48,13 @@ def bad_request(message: str, *, param: str | None = None, code: str | None = No
 
 
 def model_not_found(model: str) -> APIError:
-    return APIError(404, f"The model `{model}` does not exist or you do not have access to it.", type=INVALID_REQUEST, param="model", code="model_not_found")
+    return APIError(
+        404,
+        f"The model `{model}` does not exist or you do not have access to it.",
+        type=INVALID_REQUEST,
+        param="model",
+        code="model_not_found",
+    )
 
 
 def engine_unavailable(detail: str = "The model's engine is unavailable; try again shortly.") -> APIError:

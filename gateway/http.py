@@ -2,7 +2,8 @@
 handlers that turn any failure into OpenAI's error body.
 
 Authentication is a dependency of the app itself, so every route gets it, including routes
-added later: a route is public only if its path is in ``PUBLIC_PATHS``.
+added later: a route is public only if its path is in ``PUBLIC_PATHS``. The built-in chat page
+(``gateway/chat_page.py``) and the CORS policy for pages served elsewhere hang on it too.
 """
 
 from __future__ import annotations
@@ -10,17 +11,20 @@ from __future__ import annotations
 import logging
 
 from fastapi import Depends, FastAPI, Request
-from ray import serve
 from fastapi.exceptions import RequestValidationError
+from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
+from gateway.chat_page import PAGE_PATHS, ReplicaCORS
+from gateway.chat_page import router as chat_page_router
 from gateway.errors import NOT_FOUND, APIError, bad_request, error_response, internal_error
 
 logger = logging.getLogger(__name__)
 
-# Liveness answers without a key (load balancers and Serve's probes carry none).
-PUBLIC_PATHS = frozenset({"/health"})
+# Liveness answers without a key (load balancers and Serve's probes carry none), and so do
+# the chat page's static files (`/` redirects to it): the page sends the user's key itself.
+PUBLIC_PATHS = frozenset({"/health", *PAGE_PATHS})
 
 
 async def authenticate(request: Request) -> None:
@@ -37,6 +41,8 @@ async def authenticate(request: Request) -> None:
 app = FastAPI(
     title="LLM gateway", docs_url=None, redoc_url=None, openapi_url=None, dependencies=[Depends(authenticate)]
 )
+app.add_middleware(ReplicaCORS)
+app.include_router(chat_page_router)
 
 
 @app.exception_handler(APIError)
@@ -48,9 +54,15 @@ async def _api_error(request: Request, exc: APIError) -> Response:
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
     if exc.status_code == 404:
-        return error_response(APIError(404, f"Unknown request URL: {request.method} {request.url.path}.", type=NOT_FOUND, code="unknown_url"))
+        return error_response(
+            APIError(
+                404, f"Unknown request URL: {request.method} {request.url.path}.", type=NOT_FOUND, code="unknown_url"
+            )
+        )
     if exc.status_code == 405:
-        return error_response(APIError(405, f"Method {request.method} is not allowed for {request.url.path}.", code="method_not_allowed"))
+        return error_response(
+            APIError(405, f"Method {request.method} is not allowed for {request.url.path}.", code="method_not_allowed")
+        )
     return error_response(APIError(exc.status_code, str(exc.detail)))
 
 

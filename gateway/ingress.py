@@ -26,8 +26,8 @@ from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient
 from gateway.errors import JSONBytesResponse, bad_request, model_not_found
 from gateway.http import app
-from gateway.output_stage import OutputRail, guard_response, refuse_unguardable
 from gateway.model_file import ModelFile, ModelPolicy
+from gateway.output_stage import OutputRail, guard_response, refuse_unguardable
 from gateway.policies import PolicyStore
 from gateway.protocol import parse_chat_request, parse_completion_request, read_json_body, split_extensions
 from gateway.retrieval_routes import RetrievalRoutes, retrieval_caller
@@ -70,9 +70,15 @@ class Gateway(RetrievalRoutes):
         # deployment arguments (which the controller stores and shows in its state).
         self.keys = KeyRing(Path(keys_file) if keys_file else None, settings.auth.api_keys_env)
         self._created = int(time.time())
+        # For /v1/models (chat UIs size their context with it): as deployed, since engine
+        # settings change only on redeploy.
+        self._max_model_len = {m.model_id: m.engine.kwargs.get("max_model_len") for _, m in models}
+        self.cors = settings.cors  # read by gateway.chat_page.ReplicaCORS
         if not self.keys.enabled:
             if not settings.loopback and not settings.auth.allow_unauthenticated:
-                raise RuntimeError(f"refusing to serve {settings.host} without API keys (see auth.allow_unauthenticated)")
+                raise RuntimeError(
+                    f"refusing to serve {settings.host} without API keys (see auth.allow_unauthenticated)"
+                )
             logger.warning("AUTH IS OFF: no API keys configured; every request acts as the local operator")
         self._reloader = asyncio.get_event_loop().create_task(self._reload_policies())
 
@@ -97,7 +103,13 @@ class Gateway(RetrievalRoutes):
         passages = []
         if self._retriever is not None:
             passages = await chat_stages.retrieval(
-                self._retriever, self._guard, chat.model, policy.retrieval, policy.guardrails, wanted, chat.messages,
+                self._retriever,
+                self._guard,
+                chat.model,
+                policy.retrieval,
+                policy.guardrails,
+                wanted,
+                chat.messages,
                 retrieval_caller(principal),
             )
         # Sources name documents: sent (as a header) only if the policy or the request asks,
@@ -193,7 +205,11 @@ class Gateway(RetrievalRoutes):
         return apply
 
     def _model_card(self, model_id: str) -> dict[str, Any]:
-        return {"id": model_id, "object": "model", "created": self._created, "owned_by": "ray-llm-gateway"}
+        card = {"id": model_id, "object": "model", "created": self._created, "owned_by": "ray-llm-gateway"}
+        max_model_len = self._max_model_len.get(self._policies.aliases().get(model_id, model_id))
+        if max_model_len is not None:
+            card["max_model_len"] = max_model_len  # as vLLM's own /v1/models
+        return card
 
     async def _reload_policies(self) -> None:
         while True:

@@ -85,7 +85,12 @@ class ChoiceGuards:
             if not released.get(("text",)) and not entries and finish is None:
                 return None
             new = _without(choice, ("text", "logprobs", "finish_reason", *_UNCHECKABLE))
-            return {**new, "text": released.get(("text",), ""), "logprobs": self._format(entries), "finish_reason": finish}
+            return {
+                **new,
+                "text": released.get(("text",), ""),
+                "logprobs": self._format(entries),
+                "finish_reason": finish,
+            }
         delta = _without(holder, (*TEXT_FIELDS, "tool_calls", "function_call"))
         for (name, *rest), text in released.items():
             if not rest and (text or name in holder):
@@ -111,7 +116,9 @@ class ChoiceGuards:
                 continue  # never announce a call whose name did not pass
             call = _without(originals.get(index, {"index": index}), ("function",))
             fn = {"name": name} if name else {}
-            if args or (index not in self._headers_sent and "arguments" in (originals.get(index, {}).get("function") or {})):
+            if args or (
+                index not in self._headers_sent and "arguments" in (originals.get(index, {}).get("function") or {})
+            ):
                 fn["arguments"] = args or ""
             if fn:
                 call["function"] = fn
@@ -170,7 +177,9 @@ class ChoiceGuards:
         parts = [p for p in _CALL_PARTS if isinstance((fn or {}).get(p), str)]
         for p in parts:
             key, guard = (*prefix, p), self._guards.get((*prefix, p))
-            if key not in released or (guard is not None and (guard.verdict.blocked or guard.consumed < self._pushed[key])):
+            if key not in released or (
+                guard is not None and (guard.verdict.blocked or guard.consumed < self._pushed[key])
+            ):
                 return False
         fn.update({p: released[(*prefix, p)] for p in parts})
         return True
@@ -322,9 +331,15 @@ class LogprobGate:
         new = "".join(token)
         raw = entry.raw
         if self._chat:
-            alts = [] if touched else [
-                {**a, **_bytes_of(a)} for a in raw.get("top_logprobs") or [] if self._allowed(entry, a.get("token") or "")
-            ]
+            alts = (
+                []
+                if touched
+                else [
+                    {**a, **_bytes_of(a)}
+                    for a in raw.get("top_logprobs") or []
+                    if self._allowed(entry, a.get("token") or "")
+                ]
+            )
             return {**raw, "token": new, **_bytes_of({**raw, "token": new}), "top_logprobs": alts}
         top = raw["top_logprobs"]
         if top is not None:

@@ -60,7 +60,9 @@ class OutputRail:
         return {"index": index, **body, "logprobs": None, "finish_reason": CONTENT_FILTER}
 
 
-def guard_response(body: dict[str, Any], policy: GuardrailPolicy, metrics: RailMetrics, *, chat: bool) -> dict[str, Any]:
+def guard_response(
+    body: dict[str, Any], policy: GuardrailPolicy, metrics: RailMetrics, *, chat: bool
+) -> dict[str, Any]:
     """The same rails on a non-streaming response: blocked text is cut at the violation."""
     for choice in body.get("choices", []):
         ChoiceGuards(policy, metrics, chat=chat).guard_whole(choice)

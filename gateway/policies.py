@@ -36,7 +36,7 @@ class PolicyStore:
     reload_errors: int = 0
 
     @classmethod
-    def from_configs(cls, configs: dict[str, tuple[Path, ModelFile]]) -> "PolicyStore":
+    def from_configs(cls, configs: dict[str, tuple[Path, ModelFile]]) -> PolicyStore:
         store = cls()
         for model_id, (path, config) in configs.items():
             store.files[model_id] = _Watched(path, _mtime(path), config, config.policy())

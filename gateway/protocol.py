@@ -9,11 +9,11 @@ from typing import Any, TypeVar
 
 import orjson
 from pydantic import BaseModel, ValidationError
-from ray.serve.llm.openai_api_models import ChatCompletionRequest, CompletionRequest
 
 # Ray's own ingress runs this before sending a chat request through a handle (a pickling
 # workaround for iterator-typed fields); Ray Serve LLM 2.60 has no public name for it.
 from ray.llm._internal.serve.core.ingress.utils import _sanitize_chat_completion_request
+from ray.serve.llm.openai_api_models import ChatCompletionRequest, CompletionRequest
 from starlette.requests import Request
 
 from gateway.errors import APIError, bad_request
@@ -54,7 +54,9 @@ async def read_json_body(request: Request, max_bytes: int) -> dict[str, Any]:
 
 
 def _too_large(max_bytes: int) -> APIError:
-    return APIError(413, f"The request body is larger than the {max_bytes} bytes this server accepts.", code="request_too_large")
+    return APIError(
+        413, f"The request body is larger than the {max_bytes} bytes this server accepts.", code="request_too_large"
+    )
 
 
 def validate(model: type[T], data: dict[str, Any]) -> T:
@@ -65,7 +67,11 @@ def validate(model: type[T], data: dict[str, Any]) -> T:
     except ValidationError as exc:
         err = exc.errors()[0]
         param = _param_path(err["loc"])
-        raise bad_request(f"Invalid value for '{param}': {err['msg']}" if param else err["msg"], param=param or None, code="invalid_value") from None
+        raise bad_request(
+            f"Invalid value for '{param}': {err['msg']}" if param else err["msg"],
+            param=param or None,
+            code="invalid_value",
+        ) from None
     except (ValueError, TypeError) as exc:  # model validators raising plain errors
         raise bad_request(str(exc), code="invalid_value") from None
 
@@ -95,7 +101,9 @@ def parse_chat_request(data: dict[str, Any]) -> ChatCompletionRequest:
         raise bad_request("'messages' must be a non-empty array of messages.", param="messages", code="invalid_value")
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise bad_request(f"Invalid type for 'messages[{i}]': expected an object.", param=f"messages[{i}]", code="invalid_type")
+            raise bad_request(
+                f"Invalid type for 'messages[{i}]': expected an object.", param=f"messages[{i}]", code="invalid_type"
+            )
         role = message.get("role")
         if role not in CHAT_ROLES:
             raise bad_request(

@@ -92,6 +92,10 @@ def _check_stop(caps: RequestCaps, stop: Any) -> None:
         return
     stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
     if caps.stop is not None and len(stops) > caps.stop:
-        raise bad_request(f"'stop' may hold at most {caps.stop} strings for this model.", param="stop", code="invalid_value")
+        raise bad_request(
+            f"'stop' may hold at most {caps.stop} strings for this model.", param="stop", code="invalid_value"
+        )
     if any(isinstance(s, str) and len(s) > caps.stop_chars for s in stops):
-        raise bad_request(f"Each 'stop' string may be at most {caps.stop_chars} characters.", param="stop", code="invalid_value")
+        raise bad_request(
+            f"Each 'stop' string may be at most {caps.stop_chars} characters.", param="stop", code="invalid_value"
+        )

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
-from typing import Any, Awaitable
+from collections.abc import Awaitable
+from typing import Any
 
 import numpy as np
 from fastapi import Request
@@ -50,7 +51,9 @@ async def call(awaitable: Awaitable[Any]) -> Any:
 def check_fields(data: dict[str, Any], allowed: set[str]) -> None:
     unknown = sorted(set(data) - allowed)
     if unknown:
-        raise bad_request(f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0], code="unknown_parameter")
+        raise bad_request(
+            f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0], code="unknown_parameter"
+        )
 
 
 def query_int(request: Request, name: str, default: int, lo: int, hi: int) -> int:
@@ -58,7 +61,9 @@ def query_int(request: Request, name: str, default: int, lo: int, hi: int) -> in
     if raw is None:
         return default
     if not raw.lstrip("-").isdigit() or not lo <= int(raw) <= hi:
-        raise bad_request(f"Invalid '{name}': expected an integer between {lo} and {hi}.", param=name, code="invalid_value")
+        raise bad_request(
+            f"Invalid '{name}': expected an integer between {lo} and {hi}.", param=name, code="invalid_value"
+        )
     return int(raw)
 
 
@@ -113,13 +118,19 @@ class RetrievalRoutes:
         inputs = _embedding_inputs(data.get("input"))
         encoding = data.get("encoding_format", "float")
         if encoding not in ("float", "base64"):
-            raise bad_request("Invalid 'encoding_format': expected 'float' or 'base64'.", param="encoding_format", code="invalid_value")
+            raise bad_request(
+                "Invalid 'encoding_format': expected 'float' or 'base64'.",
+                param="encoding_format",
+                code="invalid_value",
+            )
         dimensions = data.get("dimensions")
         if dimensions is not None and dimensions != 384:
             raise bad_request(f"'dimensions' must be 384 for {model}.", param="dimensions", code="invalid_value")
         # One call per input so the embedding deployment batches them with other requests.
         calls = [
-            self._embedder.embed_tokens.remote(item, index=i) if isinstance(item, list) else self._embedder.embed.remote(item, index=i)
+            self._embedder.embed_tokens.remote(item, index=i)
+            if isinstance(item, list)
+            else self._embedder.embed.remote(item, index=i)
             for i, item in enumerate(inputs)
         ]
         counts = self._embedder.count_tokens.remote([t for t in inputs if isinstance(t, str)])
@@ -128,7 +139,14 @@ class RetrievalRoutes:
         data_out = [
             {"object": "embedding", "index": i, "embedding": _encode(v, encoding)} for i, v in enumerate(vectors)
         ]
-        return JSONBytesResponse({"object": "list", "data": data_out, "model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+        return JSONBytesResponse(
+            {
+                "object": "list",
+                "data": data_out,
+                "model": model,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+            }
+        )
 
     # --- files ------------------------------------------------------------------------
 
@@ -137,19 +155,33 @@ class RetrievalRoutes:
         caller = caller_of(request)
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > MAX_UPLOAD_BYTES + 65536:
-            raise APIError(413, f"Files larger than {MAX_UPLOAD_BYTES} bytes are not accepted.", code="request_too_large")
+            raise APIError(
+                413, f"Files larger than {MAX_UPLOAD_BYTES} bytes are not accepted.", code="request_too_large"
+            )
         if not request.headers.get("content-type", "").startswith("multipart/form-data"):
-            raise bad_request("Upload files as multipart/form-data with fields 'file' and 'purpose'.", param="file", code="invalid_value")
+            raise bad_request(
+                "Upload files as multipart/form-data with fields 'file' and 'purpose'.",
+                param="file",
+                code="invalid_value",
+            )
         form = await request.form(max_files=1, max_fields=8, max_part_size=MAX_UPLOAD_BYTES)
         upload, purpose = form.get("file"), form.get("purpose")
         if not isinstance(upload, UploadFile):
             raise bad_request("Missing required parameter: 'file'.", param="file", code="missing_required_parameter")
         if not isinstance(purpose, str) or not purpose:
-            raise bad_request("Missing required parameter: 'purpose'.", param="purpose", code="missing_required_parameter")
+            raise bad_request(
+                "Missing required parameter: 'purpose'.", param="purpose", code="missing_required_parameter"
+            )
         content = await upload.read(MAX_UPLOAD_BYTES + 1)
         if len(content) > MAX_UPLOAD_BYTES:
-            raise APIError(413, f"Files larger than {MAX_UPLOAD_BYTES} bytes are not accepted.", code="request_too_large")
-        return JSONBytesResponse(await call(self._retrieval().create_file.remote(upload.filename or "upload", content, purpose, caller=caller)))
+            raise APIError(
+                413, f"Files larger than {MAX_UPLOAD_BYTES} bytes are not accepted.", code="request_too_large"
+            )
+        return JSONBytesResponse(
+            await call(
+                self._retrieval().create_file.remote(upload.filename or "upload", content, purpose, caller=caller)
+            )
+        )
 
     @app.get("/v1/files")
     async def list_files(self, request: Request) -> Response:
@@ -195,7 +227,11 @@ class RetrievalRoutes:
         caller = caller_of(request)
         q = request.query_params
         page = self._retrieval().list_stores.remote(
-            query_int(request, "limit", 20, 1, 100), query_order(request), q.get("after"), q.get("before"), caller=caller
+            query_int(request, "limit", 20, 1, 100),
+            query_order(request),
+            q.get("after"),
+            q.get("before"),
+            caller=caller,
         )
         return JSONBytesResponse(await call(page))
 
@@ -208,7 +244,9 @@ class RetrievalRoutes:
     async def modify_vector_store(self, store_id: str, request: Request) -> Response:
         caller = caller_of(request)
         data = await self._json(request, STORE_UPDATE_FIELDS)
-        modified = self._retrieval().modify_store.remote(store_id, data.get("name"), data.get("metadata"), caller=caller)
+        modified = self._retrieval().modify_store.remote(
+            store_id, data.get("name"), data.get("metadata"), caller=caller
+        )
         return JSONBytesResponse(await call(modified))
 
     @app.delete("/v1/vector_stores/{store_id}")
@@ -221,7 +259,9 @@ class RetrievalRoutes:
         caller = caller_of(request)
         data = await self._json(request, STORE_FILE_FIELDS)
         if not isinstance(data.get("file_id"), str):
-            raise bad_request("Missing required parameter: 'file_id'.", param="file_id", code="missing_required_parameter")
+            raise bad_request(
+                "Missing required parameter: 'file_id'.", param="file_id", code="missing_required_parameter"
+            )
         added = self._retrieval().add_file_to_store.remote(
             store_id, data["file_id"], data.get("attributes"), data.get("chunking_strategy"), caller=caller
         )
@@ -250,7 +290,9 @@ class RetrievalRoutes:
     @app.delete("/v1/vector_stores/{store_id}/files/{file_id}")
     async def delete_vector_store_file(self, store_id: str, file_id: str, request: Request) -> Response:
         caller = caller_of(request)
-        return JSONBytesResponse(await call(self._retrieval().delete_store_file.remote(store_id, file_id, caller=caller)))
+        return JSONBytesResponse(
+            await call(self._retrieval().delete_store_file.remote(store_id, file_id, caller=caller))
+        )
 
     @app.post("/v1/vector_stores/{store_id}/search")
     async def search_vector_store(self, store_id: str, request: Request) -> Response:
@@ -281,17 +323,23 @@ def _embedding_inputs(value: Any) -> list[str | list[int]]:
     elif isinstance(value, list):
         items = value
     else:
-        raise bad_request("'input' must be a string, an array of strings, or token arrays.", param="input", code="invalid_value")
+        raise bad_request(
+            "'input' must be a string, an array of strings, or token arrays.", param="input", code="invalid_value"
+        )
     if not items:
         raise bad_request("'input' must not be empty.", param="input", code="invalid_value")
     if len(items) > MAX_EMBEDDING_INPUTS:
-        raise bad_request(f"'input' may hold at most {MAX_EMBEDDING_INPUTS} items.", param="input", code="invalid_value")
+        raise bad_request(
+            f"'input' may hold at most {MAX_EMBEDDING_INPUTS} items.", param="input", code="invalid_value"
+        )
     for i, item in enumerate(items):
         ok = (isinstance(item, str) and item != "") or (
             isinstance(item, list) and item and all(isinstance(t, int) and not isinstance(t, bool) for t in item)
         )
         if not ok:
-            raise bad_request(f"'input[{i}]' must be a non-empty string or token array.", param="input", code="invalid_value")
+            raise bad_request(
+                f"'input[{i}]' must be a non-empty string or token array.", param="input", code="invalid_value"
+            )
     return items
 
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import orjson
 
@@ -25,5 +26,5 @@ def parse_events(packets: Iterable[str]) -> Iterator[dict[str, Any] | None]:
             block = block.strip()
             if not block.startswith(_PREFIX):
                 continue
-            data = block[len(_PREFIX):]
+            data = block[len(_PREFIX) :]
             yield None if data == "[DONE]" else orjson.loads(data)

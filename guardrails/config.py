@@ -38,10 +38,12 @@ DEFAULT_INPUT_PII: dict[EntityType, RuleAction] = {
 }
 DEFAULT_OUTPUT_PII: dict[EntityType, RuleAction] = dict(DEFAULT_INPUT_PII)
 
+
 class StrictModel(BaseModel):
     """Base for every policy model: unknown keys are an error, instances are immutable."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
 
 def _fill_defaults(value: Any, defaults: Mapping[EntityType, RuleAction]) -> Any:
     # A YAML that lists only `email: allow` keeps the defaults for every other entity.
@@ -50,6 +52,7 @@ def _fill_defaults(value: Any, defaults: Mapping[EntityType, RuleAction]) -> Any
     if isinstance(value, Mapping):
         return {**defaults, **value}
     return value
+
 
 class PiiPolicy(StrictModel):
     """Per-entity actions, for user input and for model output separately."""
@@ -76,11 +79,13 @@ class PiiPolicy(StrictModel):
             raise ValueError("private_key cannot be redacted in output (too long to hold back); use block or allow")
         return value
 
+
 class InjectionDetectorKind(StrEnum):
     """Which scorer backs the injection rail."""
 
     EMBEDDING_CLASSIFIER = "embedding_classifier"
     HF_SEQUENCE_CLASSIFIER = "hf_sequence_classifier"
+
 
 class HfClassifierConfig(StrictModel):
     """A local Hugging Face sequence classifier, e.g. a copy of meta-llama/Prompt-Guard-86M."""
@@ -90,6 +95,7 @@ class HfClassifierConfig(StrictModel):
     injection_labels: list[str] = Field(default_factory=lambda: ["INJECTION", "JAILBREAK"], min_length=1)
     max_length: PositiveInt = 512
     device: str = "cpu"
+
 
 class InjectionPolicy(StrictModel):
     """Prompt-injection / jailbreak rail."""
@@ -115,6 +121,7 @@ class InjectionPolicy(StrictModel):
             raise ValueError("detector 'hf_sequence_classifier' needs an 'hf' section with model_path")
         return self
 
+
 class DeniedTopic(StrictModel):
     """A topic the model must not discuss, described in a few example sentences."""
 
@@ -122,6 +129,7 @@ class DeniedTopic(StrictModel):
     descriptions: list[str] = Field(min_length=1)
     # Overrides the section threshold for this topic only.
     threshold: float | None = Field(default=None, ge=0.0, le=1.0)
+
 
 class DeniedTopicsPolicy(StrictModel):
     """Denied topics matched by embedding similarity."""
@@ -137,6 +145,7 @@ class DeniedTopicsPolicy(StrictModel):
             raise ValueError("topic names must be unique")
         return topics
 
+
 class LimitsPolicy(StrictModel):
     """Size limits on the request, checked before anything expensive runs."""
 
@@ -147,6 +156,7 @@ class LimitsPolicy(StrictModel):
     # (or let through with fail_open). A backstop: every pattern is linear-time already, and
     # embedding a full 32 KB request for the classifier takes about 2 s on one slow CPU core.
     time_budget_ms: PositiveInt = 5000
+
 
 class ForbiddenPattern(StrictModel):
     """A string or regular expression the model must never emit.
@@ -174,6 +184,7 @@ class ForbiddenPattern(StrictModel):
             raise ValueError("a forbidden pattern's action must be block or redact")
         return self
 
+
 class OutputPolicy(StrictModel):
     """Streaming output rail."""
 
@@ -182,6 +193,7 @@ class OutputPolicy(StrictModel):
     forbidden: list[ForbiddenPattern] = Field(default_factory=list)
     # Longest redaction the stream may hold back before giving up and blocking instead.
     max_redact_chars: PositiveInt = 512
+
 
 class GuardrailPolicy(StrictModel):
     """The whole `guardrails:` section of a per-model YAML file."""
@@ -200,8 +212,10 @@ class GuardrailPolicy(StrictModel):
     limits: LimitsPolicy = Field(default_factory=LimitsPolicy)
     output: OutputPolicy = Field(default_factory=OutputPolicy)
 
+
 class GuardrailConfigError(ValueError):
     """A guardrails section that does not validate; the message names source, key and reason."""
+
 
 def load_policy(data: Mapping[str, Any] | None, source: str = "<guardrails>") -> GuardrailPolicy:
     """Validate a `guardrails:` mapping (already parsed from YAML) into a `GuardrailPolicy`.

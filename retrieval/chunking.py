@@ -45,9 +45,7 @@ def word_spans(text: str) -> list[tuple[int, int]]:
     return [m.span() for m in _WORD_OR_PUNCT.finditer(text)]
 
 
-def chunk_text(
-    text: str, config: ChunkingConfig, token_spans: TokenSpans = word_spans
-) -> list[Chunk]:
+def chunk_text(text: str, config: ChunkingConfig, token_spans: TokenSpans = word_spans) -> list[Chunk]:
     """Split ``text`` into chunks of at most ``config.max_chunk_size_tokens`` tokens."""
     spans = token_spans(text)
     total = len(spans)

@@ -35,9 +35,7 @@ class IngestSummary:
     uncounted: int = 0  # indexed files whose chunks could not be counted
 
     def line(self) -> str:
-        chunks = f"{self.chunks} chunks" + (
-            f" (+ {self.uncounted} files uncounted)" if self.uncounted else ""
-        )
+        chunks = f"{self.chunks} chunks" + (f" (+ {self.uncounted} files uncounted)" if self.uncounted else "")
         return (
             f"{self.files} files, {chunks}, {len(self.failures)} failures, "
             f"{self.seconds:.1f} s -> vector store {self.store_id}"
@@ -86,17 +84,13 @@ def ingest_folder(
         bar.set_postfix_str(rel[-40:], refresh=False)
         try:
             uploaded = client.files.create(file=(rel, path.read_bytes()), purpose="assistants")
-            added = client.vector_stores.files.create(
-                store.id, file_id=uploaded.id, attributes={"path": rel[:512]}
-            )
+            added = client.vector_stores.files.create(store.id, file_id=uploaded.id, attributes={"path": rel[:512]})
         except Exception as exc:  # an HTTP error for this file must not stop the others
             summary.failures.append((rel, _reason(exc)))
             continue
         if added.status != "completed":
             error = added.last_error
-            summary.failures.append(
-                (rel, f"{error.code}: {error.message}" if error else added.status)
-            )
+            summary.failures.append((rel, f"{error.code}: {error.message}" if error else added.status))
             continue
         summary.files += 1
         chunks = _count_chunks(client, store.id, uploaded.id)
@@ -138,9 +132,7 @@ def _client(args: argparse.Namespace):
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m retrieval.cli", description=__doc__.split("\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m retrieval.cli", description=__doc__.split("\n")[0])
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--store", required=True, help="vector store name")
     common.add_argument("--base-url", default=DEFAULT_BASE_URL)
@@ -187,9 +179,7 @@ def _ingest_command(client, args: argparse.Namespace) -> int:
     if not args.folder.is_dir():
         print(f"error: {args.folder} is not a folder", file=sys.stderr)
         return 2
-    summary = ingest_folder(
-        client, args.folder, args.store, args.globs or DEFAULT_GLOBS, progress=not args.no_progress
-    )
+    summary = ingest_folder(client, args.folder, args.store, args.globs or DEFAULT_GLOBS, progress=not args.no_progress)
     for path, reason in summary.failures:
         print(f"failed: {path}: {reason}", file=sys.stderr)
     print(summary.line())

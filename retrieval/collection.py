@@ -1,14 +1,10 @@
 """A named set of documents whose chunks are searchable by vector, backed by FAISS.
 
-Index: ``IndexIDMap2`` over ``IndexFlatIP`` (exact inner product, the default) or over
-``IndexHNSWFlat`` with ``METRIC_INNER_PRODUCT``. Chunk ids are int64s handed out in increasing
-order and never reused, so a document's chunks are the contiguous range
+This module keeps the documents' bookkeeping (the document and chunk tables, adding, deleting,
+reading) and the collection's persistence; the FAISS index itself (its kinds, search, deletion by
+tombstones and compaction) is ``retrieval.faiss_index``'s. Chunk ids are int64s handed out in
+increasing order and never reused, so a document's chunks are the contiguous range
 ``[first_chunk_id, first_chunk_id + chunk_count)`` and stay stable across rebuilds and reloads.
-
-Deletion: the flat index removes vectors. HNSW cannot, so a deleted document's vectors stay in
-the graph as tombstones: its ids leave the chunk table, searches over-fetch and drop hits whose id
-is no longer in the table, and once tombstones exceed ``compact_tombstone_ratio`` of the index the
-index is rebuilt from the live vectors (under the lock; seconds at 100k vectors).
 
 Persistence (when the collection has a CollectionDir): every mutation commits before returning.
 The commit's snapshot (index bytes, manifest) is taken under the mutation lock, which is then
@@ -21,7 +17,6 @@ successful commit.
 from __future__ import annotations
 
 import logging
-import math
 import secrets
 import threading
 import time
@@ -39,14 +34,13 @@ from retrieval.errors import (
     InvalidInputError,
     StorageCorruptError,
 )
-from retrieval.filters import AttributeFilter
+from retrieval.faiss_index import FaissIndexMixin, new_index
 from retrieval.persistence import CollectionDir, index_file_name
 from retrieval.records import (
     CollectionInfo,
     CollectionStats,
     DocumentInfo,
     FileCounts,
-    Hit,
     validate_attributes,
     validate_metadata,
 )
@@ -93,17 +87,7 @@ class _PendingCommit:
     index_bytes: np.ndarray | None
 
 
-def _new_index(dimension: int, config: IndexConfig) -> tuple[faiss.IndexIDMap2, faiss.Index]:
-    if config.kind == "flat":
-        inner = faiss.IndexFlatIP(dimension)
-    else:
-        inner = faiss.IndexHNSWFlat(dimension, config.hnsw_m, faiss.METRIC_INNER_PRODUCT)
-        inner.hnsw.efConstruction = config.ef_construction
-        inner.hnsw.efSearch = config.ef_search
-    return faiss.IndexIDMap2(inner), inner
-
-
-class Collection:
+class Collection(FaissIndexMixin):
     """Documents split into chunks, their vectors in FAISS and their metadata beside it.
 
     Thread-safe: one lock serialises mutations and searches (FAISS must not be read while it is
@@ -133,7 +117,7 @@ class Collection:
         self.last_active_at = self.created_at
         self.metadata = validate_metadata(metadata)
         self.index_config = index_config or IndexConfig()
-        self._index, self._inner = _new_index(dimension, self.index_config)
+        self._index, self._inner = new_index(dimension, self.index_config)
         self._docs: dict[str, _Document] = {}
         # chunk id -> (document, chunk index, text): one dict lookup per hit.
         self._chunks: dict[int, tuple[_Document, int, str]] = {}
@@ -206,9 +190,7 @@ class Collection:
                 coll._chunks[doc.first_chunk_id + i] = (doc, i, text)
         ids = faiss.vector_to_array(index.id_map)
         live = np.fromiter(coll._chunks, dtype=np.int64, count=len(coll._chunks))
-        if not np.isin(live, ids).all() or (
-            manifest.index.kind == "flat" and ids.size != live.size
-        ):
+        if not np.isin(live, ids).all() or (manifest.index.kind == "flat" and ids.size != live.size):
             raise StorageCorruptError(f"{path}: index and manifest disagree")
         storage.remove_garbage(manifest)
         coll._storage = storage
@@ -241,9 +223,7 @@ class Collection:
         self._save_lock.acquire()
         try:
             write_index = index_changed or self._committed_index_file is None
-            index_file = (
-                index_file_name(self._version) if write_index else self._committed_index_file
-            )
+            index_file = index_file_name(self._version) if write_index else self._committed_index_file
             index_bytes = faiss.serialize_index(self._index) if write_index else None
             return _PendingCommit(self._manifest(index_file), index_bytes)
         except BaseException:
@@ -288,12 +268,8 @@ class Collection:
         if isinstance(chunks, str) or not all(isinstance(c, str) for c in chunks):
             raise InvalidInputError("chunks must be a list of strings")
         vectors = np.ascontiguousarray(vectors, dtype=np.float32)
-        if vectors.shape != (len(chunks), self.dimension) and not (
-            len(chunks) == 0 and vectors.size == 0
-        ):
-            raise InvalidInputError(
-                f"vectors must have shape ({len(chunks)}, {self.dimension}), got {vectors.shape}"
-            )
+        if vectors.shape != (len(chunks), self.dimension) and not (len(chunks) == 0 and vectors.size == 0):
+            raise InvalidInputError(f"vectors must have shape ({len(chunks)}, {self.dimension}), got {vectors.shape}")
         if not np.isfinite(vectors).all():
             raise InvalidInputError("vectors must be finite")
         attrs = validate_attributes(attributes)
@@ -311,9 +287,7 @@ class Collection:
                 raise DocumentExistsError(f"document {doc_id!r} already exists")
             first = self._next_chunk_id
             if texts:
-                self._index.add_with_ids(
-                    vectors, np.arange(first, first + len(texts), dtype=np.int64)
-                )
+                self._index.add_with_ids(vectors, np.arange(first, first + len(texts), dtype=np.int64))
             self._next_chunk_id += len(texts)
             usage = sum(len(t.encode("utf-8")) for t in texts) + vectors.nbytes
             doc = _Document(
@@ -344,17 +318,7 @@ class Collection:
             end = doc.first_chunk_id + doc.chunk_count
             for chunk_id in range(doc.first_chunk_id, end):
                 del self._chunks[chunk_id]
-            index_changed = False
-            if doc.chunk_count:
-                if self.index_config.kind == "flat":
-                    self._index.remove_ids(faiss.IDSelectorRange(doc.first_chunk_id, end))
-                    index_changed = True
-                elif (
-                    self._tombstones()
-                    > self.index_config.compact_tombstone_ratio * self._index.ntotal
-                ):
-                    self._compact()
-                    index_changed = True
+            index_changed = self._remove_from_index(doc.first_chunk_id, doc.chunk_count)
             pending = self._begin_commit(index_changed)
         self._finish_commit(pending)
         if self._storage is not None:
@@ -362,9 +326,7 @@ class Collection:
         logger.debug("collection %s: deleted %s (%d chunks)", self.id, doc_id, doc.chunk_count)
         return doc.chunk_count
 
-    def update_attributes(
-        self, doc_id: str, attributes: Mapping[str, object] | None
-    ) -> DocumentInfo:
+    def update_attributes(self, doc_id: str, attributes: Mapping[str, object] | None) -> DocumentInfo:
         """Replace a document's attributes (OpenAI's update of a vector store file)."""
         attrs = validate_attributes(attributes)
         with self._lock:
@@ -377,9 +339,7 @@ class Collection:
         self._finish_commit(pending)
         return info
 
-    def update_info(
-        self, *, name: str | None = None, metadata: Mapping[str, str] | None = None
-    ) -> CollectionInfo:
+    def update_info(self, *, name: str | None = None, metadata: Mapping[str, str] | None = None) -> CollectionInfo:
         """Rename and/or replace metadata. Name uniqueness is the CollectionStore's job."""
         checked = validate_metadata(metadata) if metadata is not None else None
         with self._lock:
@@ -392,130 +352,7 @@ class Collection:
         self._finish_commit(pending)
         return info
 
-    def set_ef_search(self, ef_search: int) -> None:
-        """Change HNSW's search breadth (recall vs latency); persisted with the next commit."""
-        if self.index_config.kind != "hnsw":
-            raise InvalidInputError("ef_search applies to hnsw collections only")
-        with self._lock:
-            self.index_config = IndexConfig.model_validate(
-                {**self.index_config.model_dump(), "ef_search": ef_search}
-            )
-            self._inner.hnsw.efSearch = ef_search
-
-    def _tombstones(self) -> int:
-        return self._index.ntotal - len(self._chunks)
-
-    def _compact(self) -> None:
-        """Rebuild the HNSW index from its live vectors; call with ``_lock`` held."""
-        started = time.perf_counter()
-        index, inner = _new_index(self.dimension, self.index_config)
-        if self._chunks:
-            ids = faiss.vector_to_array(self._index.id_map)
-            live = np.fromiter(self._chunks, dtype=np.int64, count=len(self._chunks))
-            keep = np.isin(ids, live)
-            vectors = self._inner.reconstruct_n(0, self._index.ntotal)
-            index.add_with_ids(np.ascontiguousarray(vectors[keep]), ids[keep])
-        dropped = self._index.ntotal - index.ntotal
-        self._index, self._inner = index, inner
-        logger.info(
-            "collection %s: compacted %d tombstones in %.2fs",
-            self.id,
-            dropped,
-            time.perf_counter() - started,
-        )
-
     # -- reads -------------------------------------------------------------------------------
-
-    def search(
-        self,
-        vector: np.ndarray,
-        top_k: int = 10,
-        min_score: float | None = None,
-        filter: AttributeFilter | None = None,
-    ) -> list[Hit]:
-        """Best ``top_k`` chunks for one query vector, best first, scores >= ``min_score``."""
-        query = np.ascontiguousarray(vector, dtype=np.float32).reshape(1, -1)
-        if query.shape[1] != self.dimension:
-            raise InvalidInputError(f"query must have {self.dimension} dimensions")
-        if top_k < 1:
-            raise InvalidInputError("top_k must be at least 1")
-        with self._lock:
-            live = len(self._chunks)
-            if live == 0:
-                return []
-            if filter is not None:
-                return self._search_filtered(query, top_k, min_score, filter)
-            ntotal = self._index.ntotal
-            want = min(top_k, live)
-            # Tombstones (HNSW only) take result slots: ask for enough to expect `want` live ones.
-            fetch = (
-                want if ntotal == live else min(ntotal, math.ceil(want * ntotal / live * 1.25) + 8)
-            )
-            while True:
-                scores, ids = self._index.search(query, fetch)
-                hits, exhausted = self._collect(
-                    scores[0].tolist(), ids[0].tolist(), want, min_score
-                )
-                if exhausted or len(hits) >= want or fetch >= ntotal:
-                    return hits
-                fetch = min(ntotal, fetch * 2)
-
-    def _search_filtered(
-        self, query: np.ndarray, top_k: int, min_score: float | None, filter: AttributeFilter
-    ) -> list[Hit]:
-        docs = [d for d in self._docs.values() if d.chunk_count and filter.matches(d.attributes)]
-        if not docs:
-            return []
-        allowed = np.concatenate(
-            [
-                np.arange(d.first_chunk_id, d.first_chunk_id + d.chunk_count, dtype=np.int64)
-                for d in docs
-            ]
-        )
-        want = min(top_k, allowed.size)
-        selector = faiss.IDSelectorBatch(allowed)
-        if self.index_config.kind == "flat":
-            scores, ids = self._index.search(
-                query, want, params=faiss.SearchParameters(sel=selector)
-            )
-        else:
-            params = faiss.SearchParametersHNSW(
-                sel=selector, efSearch=max(self.index_config.ef_search, want)
-            )
-            scores, ids = self._index.search(query, want, params=params)
-            if (ids[0] >= 0).sum() < want:
-                # The graph walk found too few allowed vectors (a selective filter): go exact.
-                translated = faiss.IDSelectorTranslated(self._index.id_map, selector)
-                storage = faiss.downcast_index(self._inner.storage)
-                scores, rows = storage.search(
-                    query, want, params=faiss.SearchParameters(sel=translated)
-                )
-                id_map = self._index.id_map
-                ids = np.array([[id_map.at(int(r)) if r >= 0 else -1 for r in rows[0]]])
-        hits, _ = self._collect(scores[0].tolist(), ids[0].tolist(), want, min_score)
-        return hits
-
-    def _collect(
-        self, scores: list[float], ids: list[int], want: int, min_score: float | None
-    ) -> tuple[list[Hit], bool]:
-        """FAISS results to hits; True when min_score cut the list (no point fetching more)."""
-        hits: list[Hit] = []
-        chunks = self._chunks
-        for score, chunk_id in zip(scores, ids, strict=True):
-            record = chunks.get(chunk_id)
-            if record is None:  # -1 padding or a tombstone
-                continue
-            if min_score is not None and score < min_score:
-                return hits, True
-            doc, chunk_index, text = record
-            hits.append(
-                Hit(
-                    score, doc.doc_id, chunk_id, chunk_index, text, doc.source, dict(doc.attributes)
-                )
-            )
-            if len(hits) == want:
-                break
-        return hits, False
 
     def get_document(self, doc_id: str) -> DocumentInfo:
         with self._lock:

@@ -35,9 +35,7 @@ class EmbeddingModelConfig(BaseModel):
     model_path: Path | None = Field(
         default=None, description="sentence-transformers folder; None means the embedded MiniLM."
     )
-    max_tokens: int = Field(
-        default=256, ge=8, le=8192, description="Per input, special tokens included (MiniLM: 256)."
-    )
+    max_tokens: int = Field(default=256, ge=8, le=8192, description="Per input, special tokens included (MiniLM: 256).")
     truncate: bool = Field(
         default=False,
         description="Truncate over-long inputs instead of rejecting them (the API answers 400).",
@@ -164,9 +162,7 @@ class RetrievalPolicy(BaseModel):
                 "doc_id": hit.doc_id,
             }
             # One pass, so a "{text}" inside a document is never substituted again.
-            rendered.append(
-                _PASSAGE_FIELDS.sub(lambda m, v=values: v[m.group(1)], self.passage_template)
-            )
+            rendered.append(_PASSAGE_FIELDS.sub(lambda m, v=values: v[m.group(1)], self.passage_template))
         return self.template.replace(PASSAGES_PLACEHOLDER, self.passage_separator.join(rendered))
 
 

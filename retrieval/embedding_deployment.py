@@ -126,9 +126,7 @@ class EncodeGate:
         self._running.discard(task)
         self._start()
 
-    async def _encode(
-        self, groups: list[tuple[list[QueuedInput], asyncio.Future]], merged: list[QueuedInput]
-    ) -> None:
+    async def _encode(self, groups: list[tuple[list[QueuedInput], asyncio.Future]], merged: list[QueuedInput]) -> None:
         try:
             vectors = await self._run(merged)
         except BaseException as exc:  # every waiter must hear about it, cancellation included
@@ -245,9 +243,7 @@ class Embedder:
         )
         # serve.batch's own concurrency only has to let formed batches reach the gate: as many
         # as max_ongoing_requests can fill, which also keeps Serve's sizing warning quiet.
-        admitted = max(
-            config.max_concurrent_batches, _max_ongoing_requests() // config.max_batch_size
-        )
+        admitted = max(config.max_concurrent_batches, _max_ongoing_requests() // config.max_batch_size)
         # Built per instance (not a class decorator) so that every serve.batch option, including
         # batch_size_fn, comes from this replica's config.
         self._batched = serve.batch(
@@ -281,9 +277,7 @@ class Embedder:
         self._check_length(len(ids), index)
         return await self._batched(QueuedInput(ids, time.perf_counter()))
 
-    async def embed_tokens(
-        self, ids: list[int], *, truncate: bool | None = None, index: int = 0
-    ) -> np.ndarray:
+    async def embed_tokens(self, ids: list[int], *, truncate: bool | None = None, index: int = 0) -> np.ndarray:
         """The vector of one input given as token ids of this model's vocabulary.
 
         The ids are the text's own tokens: special tokens ([CLS], [SEP]) are added here and count

@@ -229,9 +229,7 @@ class SentenceEncoder:
 
     def token_spans(self, text: str) -> list[tuple[int, int]]:
         """Character (start, end) of each token of ``text``, special tokens excluded."""
-        enc = self._tokenizer(
-            text, add_special_tokens=False, return_offsets_mapping=True, verbose=False
-        )
+        enc = self._tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
         return [(int(s), int(e)) for s, e in enc["offset_mapping"]]
 
     def encode(self, texts: Sequence[str], *, truncate: bool = False) -> np.ndarray:
@@ -252,9 +250,7 @@ class SentenceEncoder:
         return out
 
     def _encode_batch(self, texts: list[str]) -> np.ndarray:
-        batch = self._tokenizer(
-            texts, padding=True, truncation=True, max_length=self.max_tokens, return_tensors="np"
-        )
+        batch = self._tokenizer(texts, padding=True, truncation=True, max_length=self.max_tokens, return_tensors="np")
         return self._forward(batch)
 
     def _forward(self, batch: Mapping[str, np.ndarray]) -> np.ndarray:
@@ -303,8 +299,7 @@ def _onnx_runner(model_path: Path, num_threads: int | None, *, quantized: bool) 
     path = onnx_path(model_path, quantized=quantized)
     if not path.is_file():
         raise EmbeddingModelMissingError(
-            f"no ONNX export at {path}; `make models` writes it "
-            f"(or: python -m retrieval.onnx_export {model_path})"
+            f"no ONNX export at {path}; `make models` writes it (or: python -m retrieval.onnx_export {model_path})"
         )
     options = ort.SessionOptions()
     # One intra-op thread unless told otherwise: the engine holds the other core here, and
@@ -346,8 +341,6 @@ class DocumentTokenizer:
 
     def ids_and_spans(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """Token ids of ``text`` (no special tokens) and each token's character (start, end)."""
-        enc = self._tokenizer(
-            text, add_special_tokens=False, return_offsets_mapping=True, verbose=False
-        )
+        enc = self._tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
         spans = [(int(s), int(e)) for s, e in enc["offset_mapping"]]
         return list(enc["input_ids"]), spans

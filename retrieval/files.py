@@ -115,17 +115,11 @@ class FileStore:
             raise FileNotFoundInStoreError(f"no file {file_id!r}")
         return stored
 
-    def list(
-        self, purpose: FilePurpose | None = None, *, owner: str | None = None
-    ) -> list[StoredFile]:
+    def list(self, purpose: FilePurpose | None = None, *, owner: str | None = None) -> list[StoredFile]:
         """Files, oldest first, optionally of one purpose and/or one owner."""
         with self._lock:
             files = list(self._files.values())
-        files = [
-            f
-            for f in files
-            if (purpose is None or f.purpose == purpose) and (owner is None or f.owner == owner)
-        ]
+        files = [f for f in files if (purpose is None or f.purpose == purpose) and (owner is None or f.owner == owner)]
         return sorted(files, key=lambda f: (f.created_at, f.id))
 
     def read(self, file_id: str, *, owner: str | None = None) -> bytes:

@@ -1,6 +1,7 @@
 """Turning an uploaded file into chunks ready to embed, and remembering files that failed to.
 
-Ray-free: the retrieval deployment (``retrieval.service``) calls these from worker threads.
+Ray-free: the retrieval deployment's indexing (``retrieval.file_indexer``) calls these from
+worker threads.
 """
 
 from __future__ import annotations
@@ -49,9 +50,7 @@ def decode_document(content: bytes) -> str:
     Only plain text and markdown are indexed; anything else is an IngestFailure.
     """
     if b"\x00" in content:
-        raise IngestFailure(
-            "unsupported_file", "binary file: only UTF-8 text or markdown is indexed"
-        )
+        raise IngestFailure("unsupported_file", "binary file: only UTF-8 text or markdown is indexed")
     try:
         text = content.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
@@ -64,9 +63,7 @@ def decode_document(content: bytes) -> str:
     return text
 
 
-def split_document(
-    text: str, config: ChunkingConfig, tokenizer: DocumentTokenizer
-) -> list[ChunkTokens]:
+def split_document(text: str, config: ChunkingConfig, tokenizer: DocumentTokenizer) -> list[ChunkTokens]:
     """Chunk ``text`` on the embedding model's own tokens and keep each chunk's token ids.
 
     Embedding the ids (not re-tokenizing the chunk text) guarantees every chunk fits the model:
@@ -84,9 +81,7 @@ def split_document(
     return out
 
 
-def chunking_from_strategy(
-    strategy: dict | None, default: ChunkingConfig, limit: int
-) -> ChunkingConfig:
+def chunking_from_strategy(strategy: dict | None, default: ChunkingConfig, limit: int) -> ChunkingConfig:
     """The ChunkingConfig an OpenAI ``chunking_strategy`` asks for.
 
     ``None`` or ``{"type": "auto"}`` is ``default``; ``{"type": "static", "static": {...}}`` must
@@ -107,9 +102,7 @@ def chunking_from_strategy(
     try:
         config = ChunkingConfig.model_validate(strategy["static"])
     except ValueError as exc:
-        raise InvalidInputError(
-            f"invalid static chunking strategy: {exc}", param="chunking_strategy"
-        ) from exc
+        raise InvalidInputError(f"invalid static chunking strategy: {exc}", param="chunking_strategy") from exc
     if config.max_chunk_size_tokens > limit:
         raise InvalidInputError(
             f"max_chunk_size_tokens must be at most {limit} for this embedding model",
@@ -144,10 +137,7 @@ class FailedFiles:
         if self.path.exists():
             try:
                 raw = json.loads(self.path.read_bytes())
-                self._stores = {
-                    store: {f["file_id"]: FailedFile(**f) for f in files}
-                    for store, files in raw.items()
-                }
+                self._stores = {store: {f["file_id"]: FailedFile(**f) for f in files} for store, files in raw.items()}
             except (OSError, ValueError, TypeError, KeyError) as exc:
                 raise StorageCorruptError(f"{self.path}: {exc}") from exc
 

@@ -179,6 +179,4 @@ def _position(ids: list[str], cursor: str, param: str) -> int:
     try:
         return ids.index(cursor)
     except ValueError:
-        raise InvalidInputError(
-            f"{param}: no object with id {cursor!r} in this list", param=param
-        ) from None
+        raise InvalidInputError(f"{param}: no object with id {cursor!r} in this list", param=param) from None

@@ -166,9 +166,7 @@ class CollectionDir:
     def load(self) -> tuple[CollectionManifest, faiss.Index]:
         """Read the committed manifest and its index."""
         try:
-            manifest = CollectionManifest.model_validate_json(
-                (self.path / MANIFEST_NAME).read_bytes()
-            )
+            manifest = CollectionManifest.model_validate_json((self.path / MANIFEST_NAME).read_bytes())
         except (OSError, ValueError) as exc:
             raise StorageCorruptError(f"{self.path}: unreadable manifest: {exc}") from exc
         if manifest.format != FORMAT_VERSION:
@@ -184,9 +182,7 @@ class CollectionDir:
         live_seqs = {d.seq for d in manifest.documents}
         removed = 0
         for entry in self.path.iterdir():
-            if TMP_MARKER in entry.name or (
-                _INDEX_FILE.match(entry.name) and entry.name != manifest.index_file
-            ):
+            if TMP_MARKER in entry.name or (_INDEX_FILE.match(entry.name) and entry.name != manifest.index_file):
                 entry.unlink(missing_ok=True)
                 removed += 1
         for entry in self.chunks_dir.iterdir():

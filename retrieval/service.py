@@ -7,63 +7,52 @@ returns OpenAI-shaped dicts (see ``retrieval.openai_objects``) or, for ``retriev
 ``Passage`` records, and raises ``retrieval.errors`` types that carry their HTTP status.
 
 Ingestion is synchronous: ``add_file_to_store`` answers once the file is indexed (``completed``)
-or has failed (``failed`` with ``last_error``), never ``in_progress``.
+or has failed (``failed`` with ``last_error``), never ``in_progress``; the indexing itself is
+``retrieval.file_indexer``'s.
 
 Tenancy: every method that touches files or stores takes ``caller`` (a ``retrieval.tenancy.Caller``,
 built by the gateway from the request's principal). Files and stores are recorded with their
 owner; someone else's object is answered exactly like a missing one (same error, same message),
 lists show only the caller's objects, and a store named by name resolves only among the caller's
 own stores. ``retrieve`` (the chat path) also searches the stores a model's policy names: by id,
-whoever owns them, or by name among the operator's stores only.
+whoever owns them, or by name among the operator's stores only. Those lookup rules live in
+``retrieval.store_resolution``; the checks of request arguments in ``retrieval.request_args``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any
 
-import numpy as np
-from pydantic import TypeAdapter, ValidationError
 from ray import serve
-from ray.serve.handle import DeploymentHandle, DeploymentResponse
+from ray.serve.handle import DeploymentHandle
 
 from retrieval import openai_objects as oai
 from retrieval.collection import Collection
 from retrieval.config import SPECIAL_TOKENS_PER_INPUT, ChunkingConfig, RetrievalConfig
 from retrieval.encoder import DocumentTokenizer
-from retrieval.errors import (
-    CollectionNotFoundError,
-    DocumentExistsError,
-    DocumentNotFoundError,
-    InvalidInputError,
-)
-from retrieval.files import FilePurpose, FileStore
-from retrieval.filters import AttributeFilter
-from retrieval.ingest import (
-    ChunkTokens,
-    FailedFile,
-    FailedFiles,
-    IngestFailure,
-    chunking_from_strategy,
-    decode_document,
-    split_document,
-)
+from retrieval.errors import CollectionNotFoundError, DocumentNotFoundError, InvalidInputError
+from retrieval.file_indexer import FileIndexer, gather_responses
+from retrieval.files import FileStore
+from retrieval.ingest import FailedFiles, chunking_from_strategy
 from retrieval.records import Hit, Passage, validate_attributes
+from retrieval.request_args import (
+    check_file_status_filter,
+    check_max_num_results,
+    check_purpose,
+    check_retrieval_args,
+    parse_filter,
+    score_threshold,
+    search_queries,
+    string_list,
+)
 from retrieval.store import CollectionStore
-from retrieval.tenancy import OPERATOR, Caller, owner_of
+from retrieval.store_resolution import owned_store, policy_stores, requested_store
+from retrieval.tenancy import Caller, owner_of
 
 logger = logging.getLogger(__name__)
-
-_FILTER = TypeAdapter(AttributeFilter)
-_PURPOSES = set(get_args(FilePurpose))
-_RANKERS = {"none", "auto", "default-2024-11-15"}
-_FILE_STATUSES = {"in_progress", "completed", "failed", "cancelled"}
-MAX_SEARCH_RESULTS = 50
-MAX_SEARCH_QUERIES = 16
 
 
 # One replica, always: the stores keep their state in memory and commit it to files that only
@@ -96,11 +85,8 @@ class Retriever:
             )
             return tokenizer, stores, FileStore(root / "files"), FailedFiles(root / "failed.json")
 
-        self._tokenizer, self._stores, self._files, self._failed = await asyncio.to_thread(
-            open_storage
-        )
-        # (store id, file id) pairs being ingested: a second add of the same pair is a 409.
-        self._ingesting: set[tuple[str, str]] = set()
+        tokenizer, self._stores, self._files, self._failed = await asyncio.to_thread(open_storage)
+        self._indexer = FileIndexer(embedder, self._files, self._failed, tokenizer)
         logger.info("retriever ready: %s, embedding model %s", root, info["model"])
 
     # --- vector stores ------------------------------------------------------------------
@@ -117,12 +103,12 @@ class Retriever:
         """Create a vector store owned by ``caller`` and index ``file_ids`` (the caller's own
         files) into it before answering."""
         owner = owner_of(caller)
-        file_ids = _string_list(file_ids or [], "file_ids")
+        file_ids = string_list(file_ids or [], "file_ids")
         # 404 before creating
         uploads = [self._files.get(f, owner=owner) for f in dict.fromkeys(file_ids)]
         chunking = self._chunking(chunking_strategy)
         coll = await asyncio.to_thread(self._stores.create, name, metadata=metadata, owner=owner)
-        await asyncio.gather(*(self._ingest(coll, u.id, u.filename, {}, chunking) for u in uploads))
+        await asyncio.gather(*(self._indexer.index(coll, u.id, u.filename, {}, chunking) for u in uploads))
         return self._store_object(coll)
 
     async def list_stores(
@@ -147,7 +133,7 @@ class Retriever:
         )
 
     async def get_store(self, store_id: str, *, caller: Caller) -> dict[str, Any]:
-        return self._store_object(self._store(store_id, caller))
+        return self._store_object(owned_store(self._stores, store_id, caller))
 
     async def modify_store(
         self,
@@ -157,12 +143,12 @@ class Retriever:
         *,
         caller: Caller,
     ) -> dict[str, Any]:
-        coll = self._store(store_id, caller)
+        coll = owned_store(self._stores, store_id, caller)
         info = await asyncio.to_thread(self._stores.update, coll.id, name=name, metadata=metadata)
         return oai.vector_store(info, self._failed.count(coll.id))
 
     async def delete_store(self, store_id: str, *, caller: Caller) -> dict[str, Any]:
-        coll = self._store(store_id, caller)
+        coll = owned_store(self._stores, store_id, caller)
         await asyncio.to_thread(self._stores.delete, coll.id)
         await asyncio.to_thread(self._failed.discard_store, coll.id)
         return oai.deleted("vector_store.deleted", coll.id)
@@ -173,13 +159,10 @@ class Retriever:
         self, filename: str, content: bytes, purpose: str = "assistants", *, caller: Caller
     ) -> dict[str, Any]:
         owner = owner_of(caller)
-        if purpose not in _PURPOSES:
-            raise InvalidInputError(f"purpose must be one of {sorted(_PURPOSES)}", param="purpose")
+        check_purpose(purpose)
         if not isinstance(content, (bytes, bytearray)):
             raise InvalidInputError("file content must be bytes", param="file")
-        stored = await asyncio.to_thread(
-            self._files.create, filename, bytes(content), purpose, owner=owner
-        )
+        stored = await asyncio.to_thread(self._files.create, filename, bytes(content), purpose, owner=owner)
         return oai.file_object(stored)
 
     async def list_files(
@@ -193,8 +176,7 @@ class Retriever:
     ) -> dict[str, Any]:
         """The caller's files; a cursor naming anyone else's file is an unknown id."""
         owner = owner_of(caller)
-        if purpose is not None and purpose not in _PURPOSES:
-            raise InvalidInputError(f"purpose must be one of {sorted(_PURPOSES)}", param="purpose")
+        check_purpose(purpose, optional=True)
         return oai.page(
             self._files.list(purpose, owner=owner),  # type: ignore[arg-type]
             item_id=lambda f: f.id,
@@ -242,11 +224,11 @@ class Retriever:
     ) -> dict[str, Any]:
         """Index an uploaded file into a store (both the caller's); answers ``completed`` or
         ``failed``."""
-        coll = self._store(store_id, caller)
+        coll = owned_store(self._stores, store_id, caller)
         upload = self._files.get(file_id, owner=owner_of(caller))
         attrs = validate_attributes(attributes)
         chunking = self._chunking(chunking_strategy)
-        return await self._ingest(coll, upload.id, upload.filename, attrs, chunking)
+        return await self._indexer.index(coll, upload.id, upload.filename, attrs, chunking)
 
     async def list_store_files(
         self,
@@ -259,11 +241,8 @@ class Retriever:
         *,
         caller: Caller,
     ) -> dict[str, Any]:
-        if filter is not None and filter not in _FILE_STATUSES:
-            raise InvalidInputError(
-                f"filter must be one of {sorted(_FILE_STATUSES)}", param="filter"
-            )
-        coll = self._store(store_id, caller)
+        check_file_status_filter(filter)
+        coll = owned_store(self._stores, store_id, caller)
         objects = [oai.vector_store_file(coll.id, d) for d in coll.list_documents()]
         objects += [oai.failed_vector_store_file(coll.id, f) for f in self._failed.list(coll.id)]
         objects = [o for o in objects if filter is None or o["status"] == filter]
@@ -278,10 +257,8 @@ class Retriever:
             before=before,
         )
 
-    async def get_store_file(
-        self, store_id: str, file_id: str, *, caller: Caller
-    ) -> dict[str, Any]:
-        coll = self._store(store_id, caller)
+    async def get_store_file(self, store_id: str, file_id: str, *, caller: Caller) -> dict[str, Any]:
+        coll = owned_store(self._stores, store_id, caller)
         failed = self._failed.get(coll.id, file_id)
         if failed is not None:
             return oai.failed_vector_store_file(coll.id, failed)
@@ -291,24 +268,20 @@ class Retriever:
         self, store_id: str, file_id: str, attributes: dict | None, *, caller: Caller
     ) -> dict[str, Any]:
         """Replace an indexed file's attributes."""
-        coll = self._store(store_id, caller)
+        coll = owned_store(self._stores, store_id, caller)
         doc = await asyncio.to_thread(coll.update_attributes, file_id, attributes)
         return oai.vector_store_file(coll.id, doc)
 
-    async def get_store_file_content(
-        self, store_id: str, file_id: str, *, caller: Caller
-    ) -> dict[str, Any]:
+    async def get_store_file_content(self, store_id: str, file_id: str, *, caller: Caller) -> dict[str, Any]:
         """The file's chunks, in order (``vector_store.file_content.page``)."""
-        coll = self._store(store_id, caller)
+        coll = owned_store(self._stores, store_id, caller)
         if self._failed.get(coll.id, file_id) is not None:
             return oai.file_content_page([])
         return oai.file_content_page(coll.document_chunks(file_id))
 
-    async def delete_store_file(
-        self, store_id: str, file_id: str, *, caller: Caller
-    ) -> dict[str, Any]:
+    async def delete_store_file(self, store_id: str, file_id: str, *, caller: Caller) -> dict[str, Any]:
         """Remove a file from a store (its chunks leave search); the upload itself stays."""
-        coll = self._store(store_id, caller)
+        coll = owned_store(self._stores, store_id, caller)
         if not await asyncio.to_thread(self._failed.discard, coll.id, file_id):
             await asyncio.to_thread(coll.delete_document, file_id)
         return oai.deleted("vector_store.file.deleted", file_id)
@@ -333,29 +306,12 @@ class Retriever:
         given), and so is ``ranking_options.ranker``: there is no re-ranker. This is where the
         request's ``query`` and ``max_num_results`` are checked (the HTTP layer passes them on).
         """
-        coll = self._store(store_id, caller)
-        queries = [query] if isinstance(query, str) else _string_list(query, "query")
-        if (
-            not queries
-            or len(queries) > MAX_SEARCH_QUERIES
-            or not all(q.strip() for q in queries)
-        ):
-            raise InvalidInputError(
-                f"query must be a non-empty string or a list of 1 to {MAX_SEARCH_QUERIES} of them",
-                param="query",
-            )
-        if (
-            not isinstance(max_num_results, int)
-            or isinstance(max_num_results, bool)
-            or not 1 <= max_num_results <= MAX_SEARCH_RESULTS
-        ):
-            raise InvalidInputError(
-                f"max_num_results must be between 1 and {MAX_SEARCH_RESULTS}",
-                param="max_num_results",
-            )
-        attr_filter = _parse_filter(filters)
-        min_score = _score_threshold(ranking_options)
-        vectors = await _gather([self._embedder.embed.remote(q, truncate=True) for q in queries])
+        coll = owned_store(self._stores, store_id, caller)
+        queries = search_queries(query)
+        check_max_num_results(max_num_results)
+        attr_filter = parse_filter(filters)
+        min_score = score_threshold(ranking_options)
+        vectors = await gather_responses([self._embedder.embed.remote(q, truncate=True) for q in queries])
 
         def run() -> list[Hit]:
             best: dict[int, Hit] = {}
@@ -398,17 +354,13 @@ class Retriever:
         and chunk position, so the same state always gives the same passages in the same order.
         """
         owner = owner_of(caller)
-        if not isinstance(query, str) or not query.strip():
-            raise InvalidInputError("the retrieval query is empty", param="messages")
-        if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
-            raise InvalidInputError("top_k must be a positive integer", param="top_k")
-        policy = self._policy_stores(_string_list(policy_collections, "policy_collections"))
+        check_retrieval_args(query, top_k)
+        policy = policy_stores(self._stores, string_list(policy_collections, "policy_collections"))
         if requested is None:
             chosen = list(policy.values())
         else:
             chosen = [
-                self._requested_store(entry, owner, policy)
-                for entry in _string_list(requested, "collections")
+                requested_store(self._stores, entry, owner, policy) for entry in string_list(requested, "collections")
             ]
         found: dict[str, Collection] = {c.id: c for c in chosen}
         colls = [c for c in found.values() if c.stats().chunks]
@@ -438,191 +390,8 @@ class Retriever:
 
     # --- helpers ------------------------------------------------------------------------
 
-    def _store(self, store_id: str, caller: Caller) -> Collection:
-        """One of the caller's stores, by id (the API's paths name stores by id only). Anyone
-        else's store is answered exactly as a missing one."""
-        owner = owner_of(caller)
-        try:
-            coll = (
-                self._stores.get_by_id(store_id, owner=owner) if isinstance(store_id, str) else None
-            )
-        except CollectionNotFoundError:
-            coll = None
-        if coll is None:
-            raise CollectionNotFoundError(
-                f"No vector store found with id {store_id!r}.", param="vector_store_id"
-            )
-        return coll
-
-    def _policy_stores(self, entries: list[str]) -> dict[str, Collection]:
-        """A model policy's stores, by the entry that named them: ids resolve whoever owns the
-        store (the operator wrote the id), names only among the operator's stores."""
-        out: dict[str, Collection] = {}
-        for entry in entries:
-            try:
-                coll = self._stores.get_by_id(entry)
-            except CollectionNotFoundError:
-                try:
-                    coll = self._stores.get(entry, owner=OPERATOR)
-                except CollectionNotFoundError:
-                    logger.warning("retrieval: no vector store %r, skipped", entry)
-                    continue
-            out[entry] = coll
-        return out
-
-    def _requested_store(
-        self, entry: str, owner: str, policy: dict[str, Collection]
-    ) -> Collection:
-        """A store a request names: a policy store (by id or the policy's name for it) or the
-        caller's own (by id or name). Anything else is not found, like a missing store."""
-        for coll in policy.values():
-            if coll.id == entry:
-                return coll
-        try:
-            return self._stores.get(entry, owner=owner)
-        except CollectionNotFoundError:
-            pass
-        if entry in policy:
-            return policy[entry]
-        raise CollectionNotFoundError(f"no vector store {entry!r}")
-
     def _store_object(self, coll: Collection) -> dict[str, Any]:
         return oai.vector_store(coll.info(), self._failed.count(coll.id))
 
     def _chunking(self, strategy: dict | None) -> ChunkingConfig:
         return chunking_from_strategy(strategy, self._config.chunking, self._chunk_limit)
-
-    async def _ingest(
-        self,
-        coll: Collection,
-        file_id: str,
-        filename: str,
-        attributes: dict,
-        chunking: ChunkingConfig,
-    ) -> dict[str, Any]:
-        key = (coll.id, file_id)
-        if key in self._ingesting or _has_document(coll, file_id):
-            raise DocumentExistsError(
-                f"file {file_id!r} is already in vector store {coll.id!r}", param="file_id"
-            )
-        self._ingesting.add(key)
-        started = time.perf_counter()
-        try:
-            try:
-                pieces = await asyncio.to_thread(self._prepare, file_id, chunking)
-            except IngestFailure as failure:
-                return await self._fail(coll, file_id, attributes, chunking, failure)
-            try:
-                rows = await _gather([self._embedder.embed_tokens.remote(p.ids) for p in pieces])
-            except Exception:
-                logger.exception("embedding %s for %s failed", file_id, coll.id)
-                failure = IngestFailure("server_error", "embedding the file failed; add it again")
-                return await self._fail(coll, file_id, attributes, chunking, failure)
-            await asyncio.to_thread(
-                coll.add_document,
-                file_id,
-                [p.text for p in pieces],
-                np.vstack(rows),
-                source=filename,
-                attributes=attributes,
-                chunking=chunking.model_dump(),
-            )
-            await asyncio.to_thread(self._failed.discard, coll.id, file_id)
-            logger.info(
-                "indexed %s into %s: %d chunks in %.2fs",
-                file_id,
-                coll.id,
-                len(pieces),
-                time.perf_counter() - started,
-            )
-            return oai.vector_store_file(coll.id, coll.get_document(file_id))
-        finally:
-            self._ingesting.discard(key)
-
-    def _prepare(self, file_id: str, chunking: ChunkingConfig) -> list[ChunkTokens]:
-        text = decode_document(self._files.read(file_id))
-        return split_document(text, chunking, self._tokenizer)
-
-    async def _fail(
-        self,
-        coll: Collection,
-        file_id: str,
-        attributes: dict,
-        chunking: ChunkingConfig,
-        failure: IngestFailure,
-    ) -> dict[str, Any]:
-        failed = FailedFile(
-            file_id=file_id,
-            created_at=int(time.time()),
-            code=failure.code,
-            message=failure.message,
-            attributes=dict(attributes),
-            chunking=chunking.model_dump(),
-        )
-        await asyncio.to_thread(self._failed.add, coll.id, failed)
-        logger.info("could not index %s into %s: %s", file_id, coll.id, failure.code)
-        return oai.failed_vector_store_file(coll.id, failed)
-
-
-async def _gather(responses: Sequence[DeploymentResponse]) -> list:
-    """Await every response; on the first failure cancel the rest and raise it."""
-    try:
-        return list(await asyncio.gather(*responses))
-    except BaseException:
-        for response in responses:
-            response.cancel()
-        raise
-
-
-def _has_document(coll: Collection, file_id: str) -> bool:
-    try:
-        coll.get_document(file_id)
-    except DocumentNotFoundError:
-        return False
-    return True
-
-
-def _string_list(value: object, param: str) -> list[str]:
-    if (
-        isinstance(value, str)
-        or not isinstance(value, (list, tuple))
-        or not all(isinstance(v, str) for v in value)
-    ):
-        raise InvalidInputError(f"{param} must be a list of strings", param=param)
-    return list(value)
-
-
-def _parse_filter(filters: dict | None) -> AttributeFilter | None:
-    if filters is None:
-        return None
-    try:
-        return _FILTER.validate_python(filters)
-    except ValidationError as exc:
-        raise InvalidInputError(
-            f"invalid filters: {exc.errors()[0]['msg']}", param="filters"
-        ) from exc
-
-
-def _score_threshold(ranking_options: dict | None) -> float | None:
-    """Minimum cosine for a clamped ``score_threshold`` (0 keeps everything)."""
-    if ranking_options is None:
-        return None
-    if not isinstance(ranking_options, dict) or set(ranking_options) - {
-        "ranker",
-        "score_threshold",
-    }:
-        raise InvalidInputError(
-            "ranking_options takes 'ranker' and 'score_threshold'", param="ranking_options"
-        )
-    if ranking_options.get("ranker", "auto") not in _RANKERS:
-        raise InvalidInputError(
-            f"ranker must be one of {sorted(_RANKERS)}", param="ranking_options"
-        )
-    threshold = ranking_options.get("score_threshold", 0.0)
-    if (
-        not isinstance(threshold, (int, float))
-        or isinstance(threshold, bool)
-        or not 0.0 <= threshold <= 1.0
-    ):
-        raise InvalidInputError("score_threshold must be between 0 and 1", param="ranking_options")
-    return float(threshold) if threshold > 0 else None

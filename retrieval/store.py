@@ -80,9 +80,7 @@ class CollectionStore:
         # Oldest first, as if created in this process: name lookups prefer the latest.
         for coll in sorted(loaded, key=lambda c: (c.created_at, c.id)):
             self._collections[coll.id] = coll
-        logger.info(
-            "opened collection store %s: %d collection(s)", self.root, len(self._collections)
-        )
+        logger.info("opened collection store %s: %d collection(s)", self.root, len(self._collections))
 
     def create(
         self,

@@ -120,7 +120,10 @@ def gateway_url(ray_session, recorder, tenant_keys, tmp_path_factory) -> str:
     for f in FIXTURES.glob("*.yaml"):
         (configs / f.name).write_text(f.read_text())
     config = load_config(
-        configs / "gateway.yaml", port=port, auth={"api_keys_env": API_KEYS_ENV, "keys_file": str(tenant_keys["path"])}, retrieval={"storage_dir": str(storage)}
+        configs / "gateway.yaml",
+        port=port,
+        auth={"api_keys_env": API_KEYS_ENV, "keys_file": str(tenant_keys["path"])},
+        retrieval={"storage_dir": str(storage)},
     )
     serve.run(build_gateway(config, engine_cls=ScriptedEngine), name="gateway", route_prefix="/")
     url = f"http://127.0.0.1:{port}"

@@ -82,7 +82,11 @@ class GatewayProcess:
         offset = self.log_path.stat().st_size
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gateway", "run", "--config", str(self.config), "--port", str(self.port)],
-            cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            cwd=ROOT,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
         )
         self.boots += 1
         deadline = time.monotonic() + BOOT_TIMEOUT_S
@@ -150,7 +154,10 @@ def test_models_list(client):
 
 def test_capital_of_france(client):
     reply = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}], temperature=0, max_tokens=30
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        temperature=0,
+        max_tokens=30,
     )
     assert "Paris" in reply.choices[0].message.content
     assert reply.usage.completion_tokens > 0
@@ -159,7 +166,12 @@ def test_capital_of_france(client):
 def test_stream_deltas_and_final_usage(client):
     messages = [{"role": "user", "content": "Write two sentences about the sea."}]
     stream = client.chat.completions.create(
-        model=MODEL, messages=messages, temperature=0, max_tokens=48, stream=True, stream_options={"include_usage": True}
+        model=MODEL,
+        messages=messages,
+        temperature=0,
+        max_tokens=48,
+        stream=True,
+        stream_options={"include_usage": True},
     )
     chunks = list(stream)
     deltas = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
@@ -171,13 +183,21 @@ def test_stream_deltas_and_final_usage(client):
     # tokens; the same greedy request answered whole must carry the same text and counts.
     whole = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=48)
     assert "".join(deltas) == whole.choices[0].message.content
-    assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (whole.usage.prompt_tokens, whole.usage.completion_tokens)
+    assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (
+        whole.usage.prompt_tokens,
+        whole.usage.completion_tokens,
+    )
 
 
 def test_eight_concurrent_streams_have_correct_framing(real_gateway, operator_key):
     def run(i: int) -> tuple[int, list[str]]:
-        body = {"model": MODEL, "stream": True, "max_tokens": 24, "temperature": 0,
-                "messages": [{"role": "user", "content": f"Count from {i} to {i + 5}."}]}
+        body = {
+            "model": MODEL,
+            "stream": True,
+            "max_tokens": 24,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": f"Count from {i} to {i + 5}."}],
+        }
         headers = {"Authorization": f"Bearer {operator_key}"}
         with httpx.stream("POST", real_gateway + "/v1/chat/completions", json=body, headers=headers, timeout=300) as r:
             return r.status_code, [e for e in "".join(r.iter_text()).split("\n\n") if e]
@@ -197,10 +217,46 @@ def test_completions(client):
     assert "Paris" in reply.choices[0].text
 
 
-def test_engine_validation_error_is_openai_400(client):
+def test_validation_errors_are_openai_400(client):
+    # Past the model's cap (requests.caps.max_tokens: 2048): the gateway refuses, naming the field.
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=10**6)
     assert err.value.body["param"] == "max_tokens"
+    # Under the cap but past the context window: vLLM refuses, and its error is OpenAI's body.
+    long_prompt = [{"role": "user", "content": "Summarise: " + "the quick brown fox jumps over the lazy dog. " * 260}]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=long_prompt, max_tokens=2048)
+    assert set(err.value.body) == {"message", "type", "param", "code"}
+
+
+def test_a_chat_ui_request_gets_a_short_sensible_answer(gateway_process, client):
+    """Chat UIs send neither max_tokens nor temperature: the model's request defaults decide
+    (vLLM's own defaults, temperature 1.0 and no length limit, give SmolLM2 nonsense for minutes)."""
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    for _ in range(3):
+        reply = client.chat.completions.create(model=MODEL, messages=question)
+        assert "Paris" in reply.choices[0].message.content
+        assert reply.usage.completion_tokens <= 256
+    # A new default applies to the running model without a restart.
+    original = gateway_process.model_file.read_text()
+    policy = yaml.safe_load(original)
+    policy["requests"]["defaults"]["max_tokens"] = 3
+    replace_file(gateway_process.model_file, yaml.safe_dump(policy, sort_keys=False))
+    try:
+        wait_until(
+            lambda: client.chat.completions.create(model=MODEL, messages=question).usage.completion_tokens == 3,
+            60,
+            "the new default",
+        )
+        reply = client.chat.completions.create(model=MODEL, messages=question)
+        assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 3
+    finally:
+        replace_file(gateway_process.model_file, original)
+        wait_until(
+            lambda: client.chat.completions.create(model=MODEL, messages=question).usage.completion_tokens > 3,
+            60,
+            "the old default",
+        )
 
 
 FACT_DOC = (
@@ -225,7 +281,9 @@ def test_uploaded_fact_reaches_the_answer(client):
 
 def test_input_rail_blocks_a_card_number(client):
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "charge 4111 1111 1111 1111"}])
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "charge 4111 1111 1111 1111"}]
+        )
     assert err.value.body["code"] == "pii_blocked"
 
 
@@ -277,7 +335,9 @@ def test_a_key_rotates_while_serving(gateway_process, real_gateway):
 
 
 def test_tenant_key_cannot_manage_documents_or_other_models(real_gateway, gateway_process):
-    tenant = openai.OpenAI(base_url=real_gateway + "/v1", api_key=gateway_process.keys["tenant"][-1], max_retries=0, timeout=120)
+    tenant = openai.OpenAI(
+        base_url=real_gateway + "/v1", api_key=gateway_process.keys["tenant"][-1], max_retries=0, timeout=120
+    )
     for forbidden in (
         lambda: tenant.vector_stores.list(),
         lambda: tenant.files.create(file=("notes.md", b"tenant notes"), purpose="assistants"),
@@ -313,7 +373,9 @@ def paris_forbidden(gateway_process, client):
     try:
         wait_until(
             lambda: (c := ask_capital(client)).finish_reason == "content_filter" and "Paris" not in c.message.content,
-            60, "the gateway to apply the Paris rail", interval_s=1,
+            60,
+            "the gateway to apply the Paris rail",
+            interval_s=1,
         )
         yield
     finally:
@@ -335,7 +397,11 @@ def leaks(choices: list[dict]) -> list[str]:
                     found.append(f"alternative {alt!r} after {chosen[-30:]!r}")
             chosen += entry["token"]
             chosen_bytes += bytes(entry.get("bytes") or [])
-    for name, text in (("content", content), ("logprob tokens", chosen), ("logprob bytes", chosen_bytes.decode(errors="replace"))):
+    for name, text in (
+        ("content", content),
+        ("logprob tokens", chosen),
+        ("logprob bytes", chosen_bytes.decode(errors="replace")),
+    ):
         if "paris" in text.lower():
             found.append(f"{name}: {text!r}")
     return found
@@ -373,7 +439,7 @@ def settled_metrics(url: str, timeout_s: float = 120) -> tuple[dict, list[dict]]
         seen.append({"t": round(time.monotonic() - start, 1), **vllm_metrics(url)})
         now, counters = seen[-1], ("generation_tokens", "finished", "aborted")
         moved = [m for m in seen if any(m[k] != now[k] for k in counters)]
-        since = seen[len(moved):] if not moved else seen[seen.index(moved[-1]) + 1 :]
+        since = seen[len(moved) :] if not moved else seen[seen.index(moved[-1]) + 1 :]
         if since and now["t"] - since[0]["t"] >= RAY_EXPORT_QUIET_S and any(m["running"] == 0 for m in since):
             return now, seen
         assert time.monotonic() - start < timeout_s, f"vLLM metrics at {url} not settled after {timeout_s}s: {seen}"
@@ -392,8 +458,15 @@ def test_output_rail_cuts_the_real_stream_and_vllm_aborts(gateway_process, opera
     # The answer names Paris after some 140 characters, so text and logprobs are released before
     # the cut; and " Paris" is among the top 5 alternatives at three of those released tokens.
     # (The answer to CAPITAL is cut inside the rail's holdback window: nothing would be released.)
-    body = {"model": MODEL, "messages": CUISINE, "temperature": 0, "max_tokens": 1000, "ignore_eos": True,
-            "logprobs": True, "top_logprobs": 5}
+    body = {
+        "model": MODEL,
+        "messages": CUISINE,
+        "temperature": 0,
+        "max_tokens": 1000,
+        "ignore_eos": True,
+        "logprobs": True,
+        "top_logprobs": 5,
+    }
 
     def stream(body: dict) -> tuple[httpx.Response, bytes]:
         with httpx.stream("POST", url, json={**body, "stream": True}, headers=headers, timeout=300) as r:
@@ -430,7 +503,9 @@ def test_output_rail_cuts_the_real_stream_and_vllm_aborts(gateway_process, opera
     # (vLLM does not count a request it aborts in request_success), nothing runs.
     after, scrapes = settled_metrics(metrics_url)
     generated = after["generation_tokens"] - before["generation_tokens"]
-    print(f"vLLM metrics at {metrics_url}\n  before: {before}\n  after:  {after}\n  tokens generated for the cut request: {generated:.0f}")
+    print(
+        f"vLLM metrics at {metrics_url}\n  before: {before}\n  after:  {after}\n  tokens generated for the cut request: {generated:.0f}"
+    )
     print("  scrapes after the cut:", *scrapes, sep="\n    ")
     assert generated < 200
     assert after["finished"] == before["finished"]
@@ -453,7 +528,10 @@ def test_output_rail_cuts_the_real_stream_and_vllm_aborts(gateway_process, opera
 def test_vector_stores_survive_a_full_restart(gateway_process, client, operator_key):
     """Ingest, restart the whole gateway (Ray included), search again: the same results."""
     store = client.vector_stores.create(name="restart-check")
-    for name, text in {"a.md": "Otters hold hands while they sleep.", "b.md": "Basalt forms from cooling lava."}.items():
+    for name, text in {
+        "a.md": "Otters hold hands while they sleep.",
+        "b.md": "Basalt forms from cooling lava.",
+    }.items():
         f = client.files.create(file=(name, text.encode()), purpose="assistants")
         client.vector_stores.files.create(vector_store_id=store.id, file_id=f.id)
     before = client.vector_stores.search(vector_store_id=store.id, query="sleeping otters").model_dump()

@@ -63,28 +63,73 @@ _HEURISTICS: dict[str, lrx.Pattern] = {
         + _words("ignore", "disregard", "forget", "override", "bypass")
         + _gap(40, _LINE_GAP)
         + _words(
-            "previous", "prior", "above", "earlier", "preceding", "initial", "original", "system", "foregoing",
+            "previous",
+            "prior",
+            "above",
+            "earlier",
+            "preceding",
+            "initial",
+            "original",
+            "system",
+            "foregoing",
             "following",
         )
-        + _S + "+"
+        + _S
+        + "+"
         + _words(
-            "instructions?", "prompts?", "directions?", "directives?", "rules", "guidelines", "commands?",
+            "instructions?",
+            "prompts?",
+            "directions?",
+            "directives?",
+            "rules",
+            "guidelines",
+            "commands?",
             "constraints",
         )
     ),
     "do_anything_now": lrx.compile(
-        _B + "DAN" + _gap(60, r"\n") + _ci("do anything now") + _E
-        + "|" + _B + "Do Anything Now" + _E
-        + "|" + _B + _words("you are", "you're", "act as", "pretend to be", "become")
-        + _S + "+(?:" + _ci("now") + _S + "+)?(?:DAN|STAN|DUDE)" + _E
+        _B
+        + "DAN"
+        + _gap(60, r"\n")
+        + _ci("do anything now")
+        + _E
+        + "|"
+        + _B
+        + "Do Anything Now"
+        + _E
+        + "|"
+        + _B
+        + _words("you are", "you're", "act as", "pretend to be", "become")
+        + _S
+        + "+(?:"
+        + _ci("now")
+        + _S
+        + "+)?(?:DAN|STAN|DUDE)"
+        + _E
     ),
     # In `re` this was `... mode (?:enabled|activated)\b(?=[\s\S]*\b(?:OpenAI|...)\b)`; for a yes/no
     # search the lookahead may consume: a later keyword, preceded by a non-word character.
     "mode_switch": lrx.compile(
-        _B + _words("ChatGPT", "AI", "assistant", "chatbot", "language model")
-        + _S + "+" + _ci("with") + _S + "+"
-        + _words("developer", "dev", "god", "DAN", "jailbreak") + _S + "+" + _ci("mode") + _E
-        + "|" + _B + _words("developer", "DAN", "jailbreak", "god") + _S + "+" + _ci("mode") + _S + "+"
+        _B
+        + _words("ChatGPT", "AI", "assistant", "chatbot", "language model")
+        + _S
+        + "+"
+        + _ci("with")
+        + _S
+        + "+"
+        + _words("developer", "dev", "god", "DAN", "jailbreak")
+        + _S
+        + "+"
+        + _ci("mode")
+        + _E
+        + "|"
+        + _B
+        + _words("developer", "DAN", "jailbreak", "god")
+        + _S
+        + "+"
+        + _ci("mode")
+        + _S
+        + "+"
         + _words("enabled", "activated")
         + f"[^{_W}](?:(?s:.)*[^{_W}])?"
         + _words("OpenAI", "ChatGPT", "content polic", "restrictions", "uncensored", "unfiltered", "guidelines")
@@ -92,49 +137,138 @@ _HEURISTICS: dict[str, lrx.Pattern] = {
     ),
     "unrestricted_persona": lrx.compile(
         _B
-        + "(?:" + _words("you are", "you're", "act as")
-        + "|" + _ci("pretend ") + _words("to be", "you are")
-        + "|" + _ci("from now on") + ",?" + _ci(" you") + ")"
+        + "(?:"
+        + _words("you are", "you're", "act as")
+        + "|"
+        + _ci("pretend ")
+        + _words("to be", "you are")
+        + "|"
+        + _ci("from now on")
+        + ",?"
+        + _ci(" you")
+        + ")"
         + _gap(60, _LINE_GAP)
-        + "(?:" + _words("unfiltered", "uncensored", "unrestricted", "amoral")
-        + "|" + _ci("without ") + "(?:" + _ci("any ") + ")?"
-        + _words("restrictions", "filters", "limitations", "ethical", "moral") + ")"
+        + "(?:"
+        + _words("unfiltered", "uncensored", "unrestricted", "amoral")
+        + "|"
+        + _ci("without ")
+        + "(?:"
+        + _ci("any ")
+        + ")?"
+        + _words("restrictions", "filters", "limitations", "ethical", "moral")
+        + ")"
     ),
     "rules_release": lrx.compile(
         _B
-        + "(?:" + _ci("you ") + _words("are", "will") + _ci(" no longer")
-        + "|" + _ci("you ") + _words("don't", "do not") + _ci(" have to")
-        + "|" + _words("you are not bound by", "you are free from")
-        + "|" + _words("have", "has") + _ci(" been freed from") + ")"
+        + "(?:"
+        + _ci("you ")
+        + _words("are", "will")
+        + _ci(" no longer")
+        + "|"
+        + _ci("you ")
+        + _words("don't", "do not")
+        + _ci(" have to")
+        + "|"
+        + _words("you are not bound by", "you are free from")
+        + "|"
+        + _words("have", "has")
+        + _ci(" been freed from")
+        + ")"
         + _gap(40, _LINE_GAP)
         + _words("rules", "restrictions", "guidelines", "policies", "polic", "filters", "OpenAI", "ethic")
     ),
     "system_prompt_exfiltration": lrx.compile(
         _B
         + _words(
-            "reveal", "print", "output", "repeat", "display", "leak", "show me", "tell me", "give me", "spell check",
+            "reveal",
+            "print",
+            "output",
+            "repeat",
+            "display",
+            "leak",
+            "show me",
+            "tell me",
+            "give me",
+            "spell check",
             "translate",
         )
         + _gap(40, _LINE_GAP)
-        + _words("your", "the") + _S + "+"
-        + "(?:" + _ci("system") + _S + "+" + _ci("prompt")
-        + "|" + _ci("initial") + _S + "+" + _words("instructions", "prompt")
-        + "|" + _ci("hidden") + _S + "+" + _words("instructions", "prompt")
-        + "|" + _ci("original") + _S + "+" + _ci("instructions")
-        + "|" + _ci("pre") + "-?" + _ci("prompt")
-        + "|" + _ci("previous") + _S + "+" + _ci("instructions") + ")"
+        + _words("your", "the")
+        + _S
+        + "+"
+        + "(?:"
+        + _ci("system")
+        + _S
+        + "+"
+        + _ci("prompt")
+        + "|"
+        + _ci("initial")
+        + _S
+        + "+"
+        + _words("instructions", "prompt")
+        + "|"
+        + _ci("hidden")
+        + _S
+        + "+"
+        + _words("instructions", "prompt")
+        + "|"
+        + _ci("original")
+        + _S
+        + "+"
+        + _ci("instructions")
+        + "|"
+        + _ci("pre")
+        + "-?"
+        + _ci("prompt")
+        + "|"
+        + _ci("previous")
+        + _S
+        + "+"
+        + _ci("instructions")
+        + ")"
     ),
     # Indirect injection: text inside a pasted document that speaks to the model reading it.
     "addressed_to_model": lrx.compile(
-        _B + _words("note", "message", "instructions?", "command") + _S + "+" + _words("to", "for") + _S + "+"
-        + "(?:" + _words("the", "any") + _S + "+)?"
-        + _words("AI", "assistant", "language model", "LLM", "chatbot", "model") + _E
-        + "|" + _B + _ci("if you are a") + _ci("n") + "? "
-        + _words("AI", "language model", "LLM", "assistant", "chatbot") + _E
-        + "|" + _B + _words("AI", "LLM", "language model") + _ci("s") + "?" + _S + "+"
-        + "(?:" + _words("assistants?", "agents?") + _S + "+)?"
-        + "(?:" + _words("reading", "processing") + "|" + _ci("summari") + "(?i:[sz])" + _ci("ing") + ")"
-        + _ci(" this") + _E
+        _B
+        + _words("note", "message", "instructions?", "command")
+        + _S
+        + "+"
+        + _words("to", "for")
+        + _S
+        + "+"
+        + "(?:"
+        + _words("the", "any")
+        + _S
+        + "+)?"
+        + _words("AI", "assistant", "language model", "LLM", "chatbot", "model")
+        + _E
+        + "|"
+        + _B
+        + _ci("if you are a")
+        + _ci("n")
+        + "? "
+        + _words("AI", "language model", "LLM", "assistant", "chatbot")
+        + _E
+        + "|"
+        + _B
+        + _words("AI", "LLM", "language model")
+        + _ci("s")
+        + "?"
+        + _S
+        + "+"
+        + "(?:"
+        + _words("assistants?", "agents?")
+        + _S
+        + "+)?"
+        + "(?:"
+        + _words("reading", "processing")
+        + "|"
+        + _ci("summari")
+        + "(?i:[sz])"
+        + _ci("ing")
+        + ")"
+        + _ci(" this")
+        + _E
     ),
     "chat_template_tokens": lrx.compile(
         r"<\|im_start\|>" + _S + r"*system|<<SYS>>|<\|system\|>|<\|start_header_id\|>system"

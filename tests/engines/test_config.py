@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 from engines.config import ConfigError
-from gateway.model_file import ModelFile as ModelConfig
-from gateway.model_file import load_model_file as load_model_config
 from engines.deployments import deployment_config, llm_config, placement_group_config
 from gateway.config import load_config
+from gateway.model_file import ModelFile as ModelConfig
+from gateway.model_file import load_model_file as load_model_config
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU_EXAMPLE = ROOT / "configs/models/examples/llama-3.1-70b-instruct-gpu.yaml"
@@ -53,8 +53,14 @@ def test_bad_yaml_and_non_mapping(tmp_path):
         ("model_id: m\nsource: {path: /x, hf_repo: a/b}\n", "exactly one of"),
         ("model_id: m\nsource: {}\n", "exactly one of"),
         ("model_id: m\nsource: {path: /x}\nplacement: {tensor_parallel_size: 2}\n", "parallel sizes must be 1"),
-        ("model_id: m\nsource: {path: /x}\nplacement: {accelerator_type: A100-80G}\n", "only applies to accelerator: gpu"),
-        ("model_id: m\nsource: {path: /x}\ndeployment: {autoscaling: {min_replicas: 3, max_replicas: 2}}\n", "must not exceed"),
+        (
+            "model_id: m\nsource: {path: /x}\nplacement: {accelerator_type: A100-80G}\n",
+            "only applies to accelerator: gpu",
+        ),
+        (
+            "model_id: m\nsource: {path: /x}\ndeployment: {autoscaling: {min_replicas: 3, max_replicas: 2}}\n",
+            "must not exceed",
+        ),
         ("model_id: m\nsource: {path: /x}\ndeployment: {max_ongoing_requests: 0}\n", "deployment.max_ongoing_requests"),
         ("source: {path: /x}\n", "model_id"),
     ],
@@ -83,7 +89,11 @@ def test_gpu_example_placement_bundles():
     cfg = llm_config(model, Path("/models"))
     assert cfg.engine_kwargs["tensor_parallel_size"] == 4 and cfg.engine_kwargs["pipeline_parallel_size"] == 2
     assert cfg.accelerator_type == "A100-80G"
-    assert cfg.deployment_config["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 32.0}
+    assert cfg.deployment_config["autoscaling_config"] == {
+        "min_replicas": 1,
+        "max_replicas": 4,
+        "target_ongoing_requests": 32.0,
+    }
     assert cfg.runtime_env == {"env_vars": {"HF_TOKEN": "${HF_TOKEN}"}}  # expanded by Ray on the node
 
 
@@ -101,8 +111,15 @@ def test_ray_serve_llm_accepts_our_gpu_placement(ray_session):
     from ray.serve.llm import LLMServer
 
     tp_pp = ModelConfig(
-        model_id="big", source={"path": str(ROOT / "tests/fixtures")},  # no weights are loaded
-        placement={"accelerator": "gpu", "accelerator_type": "H100", "tensor_parallel_size": 2, "pipeline_parallel_size": 2, "cpus_per_worker": 1},
+        model_id="big",
+        source={"path": str(ROOT / "tests/fixtures")},  # no weights are loaded
+        placement={
+            "accelerator": "gpu",
+            "accelerator_type": "H100",
+            "tensor_parallel_size": 2,
+            "pipeline_parallel_size": 2,
+            "cpus_per_worker": 1,
+        },
     )
     options = LLMServer.get_deployment_options(llm_config(tp_pp, Path("/models")))
     bundles = options["placement_group_bundles"]

@@ -46,8 +46,11 @@ def test_failed_check_leaves_no_model(tmp_path, monkeypatch):
     def broken_check(out):
         raise provision.ProvisionError("does not load")
 
-    monkeypatch.setitem(provision.EMBEDDED_MODELS, model.name, provision.EmbeddedModel(
-        model.name, model.package, model.module, model.prepare, broken_check))
+    monkeypatch.setitem(
+        provision.EMBEDDED_MODELS,
+        model.name,
+        provision.EmbeddedModel(model.name, model.package, model.module, model.prepare, broken_check),
+    )
     with pytest.raises(provision.ProvisionError, match="does not load"):
         provision.prepare(model.name, tmp_path)
     assert list(tmp_path.iterdir()) == []
@@ -56,7 +59,9 @@ def test_failed_check_leaves_no_model(tmp_path, monkeypatch):
 def test_prepared_smollm2_is_a_loadable_folder():
     """`make test` prepares the models first; the result is a float32 safetensors folder."""
     folder = provision.default_models_dir() / "SmolLM2-135M-Instruct"
-    assert provision.is_prepared(folder, provision.EMBEDDED_MODELS["SmolLM2-135M-Instruct"].recipe), "run `make models` first"
+    assert provision.is_prepared(folder, provision.EMBEDDED_MODELS["SmolLM2-135M-Instruct"].recipe), (
+        "run `make models` first"
+    )
     config = json.loads((folder / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert (folder / "model.safetensors").is_file()

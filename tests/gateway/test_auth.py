@@ -38,12 +38,31 @@ ROUTES = [
 ]
 
 
+# The only routes that answer without a key: liveness, and the chat page's static files (the
+# page sends the user's key itself; `/` redirects to it).
+PUBLIC = [
+    ("GET", "/health"),
+    ("GET", "/"),
+    ("GET", "/chat"),
+    ("GET", "/chat/chat.js"),
+    ("GET", "/chat/chat.css"),
+]
+
+
 def test_every_route_needs_a_key(gateway_url):
     # Every route the app serves is in the list above (or public), so a new route cannot
     # slip past this test.
+    from gateway.http import PUBLIC_PATHS
+
     served = {(m, r.path) for r in _app_routes() for m in r.methods if m != "HEAD"}
-    listed = {(m, p.replace("scripted", "{model_id:path}").replace("vs_x", "{store_id}").replace("file-x", "{file_id}")) for m, p in ROUTES}
-    assert served - listed <= {("GET", "/health")}, served - listed
+    listed = {
+        (m, p.replace("scripted", "{model_id:path}").replace("vs_x", "{store_id}").replace("file-x", "{file_id}"))
+        for m, p in ROUTES
+    }
+    assert served - listed == set(PUBLIC), served - listed
+    assert PUBLIC_PATHS == {p for _, p in PUBLIC}
+    for method, path in PUBLIC:
+        assert httpx.request(method, gateway_url + path, timeout=10).status_code in (200, 307), path
     for method, path in ROUTES:
         for headers in ({}, {"Authorization": "Bearer wrong-key"}, {"Authorization": "Basic abc"}):
             r = httpx.request(method, gateway_url + path, headers=headers, json={}, timeout=10)
@@ -110,7 +129,9 @@ def test_no_key_reaches_the_logs(gateway_url, tenant_keys):
     wrong = "sk-wrong-" + "z" * 30
     httpx.get(gateway_url + "/v1/models", headers={"Authorization": f"Bearer {wrong}"})
     logs = Path("/tmp/ray/session_latest/logs")
-    text = "\n".join(p.read_text(errors="replace") for p in logs.glob("*") if p.is_file() and p.stat().st_size < 50_000_000)
+    text = "\n".join(
+        p.read_text(errors="replace") for p in logs.glob("*") if p.is_file() and p.stat().st_size < 50_000_000
+    )
     assert text, "no Ray logs found"
     for key in [wrong] + [k for ks in tenant_keys["keys"].values() for k in ks]:
         assert key not in text
@@ -125,11 +146,16 @@ def test_auth_off_is_for_loopback_only(tmp_path):
     load_config(tmp_path / "gateway.yaml").check_auth()  # 127.0.0.1: allowed, with a warning at run
     with pytest.raises(ConfigError, match="not a loopback address"):
         load_config(tmp_path / "gateway.yaml", host="0.0.0.0").check_auth()
-    load_config(tmp_path / "gateway.yaml", host="0.0.0.0", auth={"api_keys_env": None, "allow_unauthenticated": True}).check_auth()
+    load_config(
+        tmp_path / "gateway.yaml", host="0.0.0.0", auth={"api_keys_env": None, "allow_unauthenticated": True}
+    ).check_auth()
     # The CLI refuses before starting anything.
     run = subprocess.run(
         [sys.executable, "-m", "gateway", "run", "--config", str(tmp_path / "gateway.yaml"), "--host", "0.0.0.0"],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert run.returncode == 2 and "not a loopback address" in run.stderr
 

@@ -25,7 +25,11 @@ def assert_error(r: httpx.Response, status: int, code: str | None, param: str | 
 
 
 def test_invalid_json(http):
-    r = http.post("/v1/chat/completions", content=b'{"model": "scripted", "messages": [', headers={"content-type": "application/json"})
+    r = http.post(
+        "/v1/chat/completions",
+        content=b'{"model": "scripted", "messages": [',
+        headers={"content-type": "application/json"},
+    )
     assert_error(r, 400, "invalid_json")
 
 
@@ -34,11 +38,18 @@ def test_body_not_an_object(http):
 
 
 def test_missing_model(http):
-    assert_error(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}), 400, "missing_required_parameter", "model")
+    assert_error(
+        http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}),
+        400,
+        "missing_required_parameter",
+        "model",
+    )
 
 
 def test_empty_messages(http):
-    assert_error(http.post("/v1/chat/completions", json={"model": "scripted", "messages": []}), 400, "invalid_value", "messages")
+    assert_error(
+        http.post("/v1/chat/completions", json={"model": "scripted", "messages": []}), 400, "invalid_value", "messages"
+    )
 
 
 def test_unknown_role(http):
@@ -48,12 +59,17 @@ def test_unknown_role(http):
 
 @pytest.mark.parametrize("content", [{"a": 1}, [{"type": "text"}], [1, 2], 123])
 def test_malformed_message_content(http, content):
-    r = http.post("/v1/chat/completions", json={"model": "scripted", "messages": [{"role": "user", "content": content}]})
+    r = http.post(
+        "/v1/chat/completions", json={"model": "scripted", "messages": [{"role": "user", "content": content}]}
+    )
     assert_error(r, 400, "invalid_value")
 
 
 def test_wrong_field_type(http):
-    r = http.post("/v1/chat/completions", json={"model": "scripted", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"})
+    r = http.post(
+        "/v1/chat/completions",
+        json={"model": "scripted", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"},
+    )
     assert_error(r, 400, "invalid_value", "temperature")
 
 
@@ -103,7 +119,11 @@ def test_wrong_api_key_is_401(gateway_url):
 
 
 def test_engine_failure_mid_stream_ends_with_error_event_and_done(http, client):
-    body = {"model": "scripted", "stream": True, "messages": [{"role": "user", "content": "[[tokens:10]] [[fail-after:3]]"}]}
+    body = {
+        "model": "scripted",
+        "stream": True,
+        "messages": [{"role": "user", "content": "[[tokens:10]] [[fail-after:3]]"}],
+    }
     with http.stream("POST", "/v1/chat/completions", json=body) as r:
         text = "".join(r.iter_text())
     events = [e for e in text.split("\n\n") if e]
@@ -119,7 +139,11 @@ def test_engine_failure_mid_stream_ends_with_error_event_and_done(http, client):
 
 
 def test_client_disconnect_cancels_generation(gateway_url, engine_events):
-    body = {"model": "scripted", "stream": True, "messages": [{"role": "user", "content": "[[tokens:400]] [[delay-ms:20]]"}]}
+    body = {
+        "model": "scripted",
+        "stream": True,
+        "messages": [{"role": "user", "content": "[[tokens:400]] [[delay-ms:20]]"}],
+    }
     with httpx.Client(base_url=gateway_url, headers={"Authorization": f"Bearer {API_KEY}"}) as c:
         with c.stream("POST", "/v1/chat/completions", json=body) as r:
             for i, _ in enumerate(r.iter_lines()):
@@ -141,7 +165,11 @@ def test_dead_engine_is_503_then_recovers(client):
     assert err.value.status_code == 503
     assert err.value.body["code"] == "engine_unavailable"
     # The other model is unaffected.
-    assert client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "hi"}]).choices[0].message.content
+    assert (
+        client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "hi"}])
+        .choices[0]
+        .message.content
+    )
     deadline = time.monotonic() + 90
     while True:
         try:

@@ -36,7 +36,10 @@ def test_credit_card_is_blocked_before_the_engine(client, engine_events):
 
 
 def test_completions_prompts_pass_the_input_rails(client, http, engine_events):
-    for prompt in (f"My card is {CARD}, can you store it?", ["Summarise the plot of Hamlet.", f"My card is {CARD}, can you store it?"]):
+    for prompt in (
+        f"My card is {CARD}, can you store it?",
+        ["Summarise the plot of Hamlet.", f"My card is {CARD}, can you store it?"],
+    ):
         with pytest.raises(openai.BadRequestError) as err:
             client.completions.create(model=MODEL, prompt=prompt)
         assert err.value.body["code"] == "pii_blocked"
@@ -44,7 +47,9 @@ def test_completions_prompts_pass_the_input_rails(client, http, engine_events):
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": [101, 2023, 102]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
     assert engine_events("started") == []
-    reply = client.completions.create(model=MODEL, prompt=["Write to jane.doe@example.com about the meeting", "What is the capital of France?"])
+    reply = client.completions.create(
+        model=MODEL, prompt=["Write to jane.doe@example.com about the meeting", "What is the capital of France?"]
+    )
     assert reply.choices[0].text
     prompts = [e["prompt"] for e in engine_events("started")]
     assert "jane.doe@example.com" not in str(prompts) and "<EMAIL>" in str(prompts)
@@ -146,7 +151,10 @@ def test_broken_rail_fails_closed_and_is_counted(client, model_file):
 
 
 def test_invalid_policy_edit_keeps_the_last_good_policy(client, model_file):
-    model_file("scripted-guarded.yaml", "model_id: scripted-guarded\nsource: {path: /x}\nguardrails: {enabled: true, typo: 1}\n")
+    model_file(
+        "scripted-guarded.yaml",
+        "model_id: scripted-guarded\nsource: {path: /x}\nguardrails: {enabled: true, typo: 1}\n",
+    )
     with pytest.raises(openai.BadRequestError) as err:
         chat(client, f"card {CARD}")
     assert err.value.body["code"] == "pii_blocked"

@@ -44,7 +44,10 @@ def test_chat_routes_by_model(client, engine_events):
 
 def test_chat_streaming_with_usage(client):
     stream = client.chat.completions.create(
-        model="scripted", messages=[{"role": "user", "content": "[[tokens:7]]"}], stream=True, stream_options={"include_usage": True}
+        model="scripted",
+        messages=[{"role": "user", "content": "[[tokens:7]]"}],
+        stream=True,
+        stream_options={"include_usage": True},
     )
     chunks = list(stream)
     content = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
@@ -70,7 +73,9 @@ def test_stream_framing_ends_with_single_done(http):
 
 
 def test_max_tokens_truncates_with_length(client):
-    reply = client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "[[tokens:20]]"}], max_tokens=4)
+    reply = client.chat.completions.create(
+        model="scripted", messages=[{"role": "user", "content": "[[tokens:20]]"}], max_tokens=4
+    )
     assert reply.choices[0].message.content == "t0 t1 t2 t3"
     assert reply.choices[0].finish_reason == "length"
 
@@ -78,9 +83,19 @@ def test_max_tokens_truncates_with_length(client):
 def test_openai_fields_pass_through_to_engine(client, engine_events):
     tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}]
     client.chat.completions.create(
-        model="scripted", messages=USER, seed=7, stop=["END"], temperature=0.3, top_p=0.9, n=1,
-        logprobs=True, top_logprobs=2, tools=tools, response_format={"type": "json_object"},
-        presence_penalty=0.5, user="u-1",
+        model="scripted",
+        messages=USER,
+        seed=7,
+        stop=["END"],
+        temperature=0.3,
+        top_p=0.9,
+        n=1,
+        logprobs=True,
+        top_logprobs=2,
+        tools=tools,
+        response_format={"type": "json_object"},
+        presence_penalty=0.5,
+        user="u-1",
     )
     fields = engine_events("started")[0]["fields"]
     assert fields["seed"] == 7 and fields["stop"] == ["END"] and fields["temperature"] == 0.3
@@ -94,13 +109,19 @@ def test_completions_non_streaming_and_streaming(client):
     reply = client.completions.create(model="scripted", prompt="[[say:once upon a time]]")
     assert reply.choices[0].text == "once upon a time"
     assert reply.object == "text_completion"
-    pieces = [c.choices[0].text for c in client.completions.create(model="scripted", prompt="[[tokens:4]]", stream=True) if c.choices]
+    pieces = [
+        c.choices[0].text
+        for c in client.completions.create(model="scripted", prompt="[[tokens:4]]", stream=True)
+        if c.choices
+    ]
     assert "".join(pieces) == "t0 t1 t2 t3"
 
 
 def test_eight_concurrent_streams_all_complete(client):
     def run(i: int) -> str:
-        stream = client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": f"[[tokens:{10 + i}]] [[delay-ms:5]]"}], stream=True)
+        stream = client.chat.completions.create(
+            model="scripted", messages=[{"role": "user", "content": f"[[tokens:{10 + i}]] [[delay-ms:5]]"}], stream=True
+        )
         return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:

@@ -44,7 +44,10 @@ def directives(**kinds: str | list[str]) -> str:
 
 def request(script: str, *, chat: bool, stream: bool, **fields) -> tuple[str, dict]:
     if chat:
-        body = {"model": MODEL, "messages": [{"role": "system", "content": script}, {"role": "user", "content": "Go on."}]}
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "system", "content": script}, {"role": "user", "content": "Go on."}],
+        }
         return "/v1/chat/completions", {**body, "stream": stream, **fields}
     return "/v1/completions", {"model": MODEL, "prompt": script, "stream": stream, "max_tokens": 1000, **fields}
 
@@ -57,7 +60,7 @@ def post(http, script: str, *, chat: bool, stream: bool, **fields) -> tuple[str,
     if not stream:
         return r.text, r.json()
     assert r.text.endswith("data: [DONE]\n\n")
-    return r.text, [json.loads(b[len("data: "):]) for b in r.text.split("\n\n") if b.startswith("data: {")]
+    return r.text, [json.loads(b[len("data: ") :]) for b in r.text.split("\n\n") if b.startswith("data: {")]
 
 
 def logprob_fields(chat: bool) -> dict:
@@ -90,7 +93,9 @@ class Choice:
         else:
             self.tokens += [
                 {"token": t, "top": top, "offset": off}
-                for t, top, off in zip(lp.get("tokens") or [], lp.get("top_logprobs") or [], lp.get("text_offset") or [])
+                for t, top, off in zip(
+                    lp.get("tokens") or [], lp.get("top_logprobs") or [], lp.get("text_offset") or []
+                )
             ]
         self.finish = choice.get("finish_reason") or self.finish
 
@@ -206,7 +211,9 @@ def test_logprob_tokens_of_a_redacted_span_are_rewritten(http, client, chat, str
     if stream and chat:  # the SDK reads the same stream
         _, body = request(directives(chars=text), chat=True, stream=True, **logprob_fields(True))
         chunks = list(client.chat.completions.create(**{k: v for k, v in body.items() if k != "stream"}, stream=True))
-        tokens = [t.token for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content or []]
+        tokens = [
+            t.token for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content or []
+        ]
         assert "".join(tokens) == released
 
 
@@ -248,7 +255,9 @@ def test_tool_call_arguments_are_guarded(http, client, engine_events, stream):
     _, body = request(directives(tool=f"send:{good}"), chat=True, stream=stream, tools=TOOLS)
     if stream:  # the SDK rebuilds the call from the guarded pieces
         chunks = list(client.chat.completions.create(**{k: v for k, v in body.items() if k != "stream"}, stream=True))
-        args = "".join(t.function.arguments or "" for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or [])
+        args = "".join(
+            t.function.arguments or "" for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []
+        )
         assert json.loads(args) == {"to": PLACEHOLDER, "body": "hello"}
     else:
         reply = client.chat.completions.create(**{k: v for k, v in body.items() if k != "stream"})
@@ -261,7 +270,9 @@ TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"typ
 @STREAM
 def test_reasoning_is_guarded(http, engine_events, stream):
     thoughts = " ".join(f"r{i}" for i in range(20)) + f" {DENIED} " + TAIL
-    raw, parsed = post(http, directives(reason=thoughts, say="the visible answer", delay_ms="5"), chat=True, stream=stream)
+    raw, parsed = post(
+        http, directives(reason=thoughts, say="the visible answer", delay_ms="5"), chat=True, stream=stream
+    )
     (choice,) = assert_nothing_leaks(raw, parsed, True).values()
     assert choice.finish == "content_filter"
     assert "visible answer" not in raw  # generated after the block: never sent
@@ -295,7 +306,9 @@ def test_every_choice_is_guarded(http, engine_events, chat, stream):
     if stream:
         # The block ends the whole stream: every choice ends, the engine stops.
         assert choices[0].finish == "content_filter"
-        assert_logprobs_in_step([e for e in parsed if e["choices"] and e["choices"][0]["index"] == 1], "content" if chat else "text")
+        assert_logprobs_in_step(
+            [e for e in parsed if e["choices"] and e["choices"][0]["index"] == 1], "content" if chat else "text"
+        )
         assert_engine_cancelled(engine_events)
     else:
         assert choices[0].finish == "stop" and choices[0].texts["content" if chat else "text"] == clean

@@ -44,7 +44,9 @@ def test_crafted_input_is_checked_in_bounded_time(gateway_url, http):
         out = {}
         for name, text in PAYLOADS.items():
             started = time.monotonic()
-            r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": text}]})
+            r = http.post(
+                "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": text}]}
+            )
             out[name] = (r.status_code, r.json(), time.monotonic() - started)
         return out
 
@@ -66,7 +68,13 @@ def test_crafted_output_does_not_stall_the_ingress(gateway_url, http):
 
     def send():
         started = time.monotonic()
-        r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "system", "content": script}, {"role": "user", "content": "go"}]})
+        r = http.post(
+            "/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "messages": [{"role": "system", "content": script}, {"role": "user", "content": "go"}],
+            },
+        )
         return r, time.monotonic() - started
 
     (reply, seconds), slowest_health = _while_polling_health(gateway_url, send)

@@ -50,7 +50,9 @@ def test_embeddings_shapes_and_order(client):
 
 def test_embeddings_base64_and_token_arrays(http):
     as_float = http.post("/v1/embeddings", json={"model": EMBEDDING_MODEL, "input": "hello world"}).json()
-    as_b64 = http.post("/v1/embeddings", json={"model": EMBEDDING_MODEL, "input": "hello world", "encoding_format": "base64"}).json()
+    as_b64 = http.post(
+        "/v1/embeddings", json={"model": EMBEDDING_MODEL, "input": "hello world", "encoding_format": "base64"}
+    ).json()
     decoded = np.frombuffer(base64.b64decode(as_b64["data"][0]["embedding"]), dtype="<f4")
     assert np.allclose(decoded, as_float["data"][0]["embedding"], atol=1e-6)
     # MiniLM's own token ids for "hello world" (without [CLS]/[SEP]).
@@ -124,7 +126,8 @@ def test_chat_gets_the_matching_passage(client, handbook, engine_events):
     # Sources name documents: not sent unless the policy or the request asks.
     assert "x-retrieval-sources" not in raw.headers and "sources" not in raw.http_response.json()
     raw = client.chat.completions.with_raw_response.create(
-        model="scripted-guarded", messages=[{"role": "user", "content": "How many vacation days per year?"}],
+        model="scripted-guarded",
+        messages=[{"role": "user", "content": "How many vacation days per year?"}],
         extra_body={"retrieval": {"return_sources": True}},
     )
     sources = json.loads(raw.headers["x-retrieval-sources"])
@@ -134,12 +137,14 @@ def test_chat_gets_the_matching_passage(client, handbook, engine_events):
 def test_sources_on_request_and_retrieval_switched_off(client, handbook, engine_events):
     _, files = handbook
     reply = client.chat.completions.create(
-        model="scripted-guarded", messages=[{"role": "user", "content": "Where do visitors sign in?"}],
+        model="scripted-guarded",
+        messages=[{"role": "user", "content": "Where do visitors sign in?"}],
         extra_body={"retrieval": {"return_sources": True, "top_k": 1}},
     )
     assert [s["file_id"] for s in reply.model_extra["sources"]] == [files["security.md"]]
     client.chat.completions.create(
-        model="scripted-guarded", messages=[{"role": "user", "content": "Where do visitors sign in?"}],
+        model="scripted-guarded",
+        messages=[{"role": "user", "content": "Where do visitors sign in?"}],
         extra_body={"retrieval": {"enabled": False}},
     )
     prompts = [e["prompt"] for e in engine_events("started")]
@@ -170,7 +175,9 @@ def test_streaming_chat_carries_the_sources_header(gateway_url, handbook):
         "messages": [{"role": "user", "content": "How do I feed the sourdough starter?"}],
         "retrieval": {"return_sources": True},
     }
-    with httpx.stream("POST", gateway_url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+    with httpx.stream(
+        "POST", gateway_url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"}
+    ) as r:
         assert r.status_code == 200
         sources = json.loads(r.headers["x-retrieval-sources"])
         text = "".join(r.iter_text())

@@ -16,8 +16,12 @@ MODEL = "scripted-guarded"  # its retrieval policy names the store "handbook"
 
 @pytest.fixture(scope="module")
 def alices(gateway_url, tenant_keys):
-    alice = openai.OpenAI(base_url=gateway_url + "/v1", api_key=tenant_keys["keys"]["alice"][-1], max_retries=0, timeout=60)
-    uploaded = alice.files.create(file=("alice-notes.md", b"# Notes\n\nThe launch code word is ALICE-ONLY-ORCHID."), purpose="assistants")
+    alice = openai.OpenAI(
+        base_url=gateway_url + "/v1", api_key=tenant_keys["keys"]["alice"][-1], max_retries=0, timeout=60
+    )
+    uploaded = alice.files.create(
+        file=("alice-notes.md", b"# Notes\n\nThe launch code word is ALICE-ONLY-ORCHID."), purpose="assistants"
+    )
     store = alice.vector_stores.create(name="notes", file_ids=[uploaded.id])
     return alice, uploaded, store
 
@@ -58,9 +62,13 @@ def test_a_request_may_only_name_its_own_stores(tenant, alices, engine_events):
     bob = tenant("bob")
     question = [{"role": "user", "content": "What is the launch code word?"}]
     with pytest.raises(openai.NotFoundError):
-        bob.chat.completions.create(model=MODEL, messages=question, extra_body={"retrieval": {"collections": [store.id]}})
+        bob.chat.completions.create(
+            model=MODEL, messages=question, extra_body={"retrieval": {"collections": [store.id]}}
+        )
     with pytest.raises(openai.NotFoundError):
-        bob.chat.completions.create(model=MODEL, messages=question, extra_body={"retrieval": {"collections": ["notes"]}})
+        bob.chat.completions.create(
+            model=MODEL, messages=question, extra_body={"retrieval": {"collections": ["notes"]}}
+        )
     assert all("ALICE-ONLY-ORCHID" not in e["prompt"] for e in engine_events("started"))
     alice.chat.completions.create(model=MODEL, messages=question, extra_body={"retrieval": {"collections": ["notes"]}})
     assert "ALICE-ONLY-ORCHID" in engine_events("started")[-1]["prompt"]
@@ -68,7 +76,9 @@ def test_a_request_may_only_name_its_own_stores(tenant, alices, engine_events):
 
 def test_a_tenants_store_named_like_the_policys_changes_nothing(gateway_url, tenant, engine_events):
     operator = openai.OpenAI(base_url=gateway_url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
-    official = operator.files.create(file=("parking.md", b"# Parking\n\nStaff park on level 3 of the garage."), purpose="assistants")
+    official = operator.files.create(
+        file=("parking.md", b"# Parking\n\nStaff park on level 3 of the garage."), purpose="assistants"
+    )
     handbook = operator.vector_stores.create(name="handbook", file_ids=[official.id])
     bob = tenant("bob")
     planted = bob.files.create(

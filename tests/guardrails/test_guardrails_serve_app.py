@@ -23,11 +23,15 @@ from retrieval.embedding_deployment import OMP_ENV, Embedder  # noqa: E402
 APP = "guardrails-serve-test"
 MODELS = default_models_dir()
 ENCODER = EmbeddingModelConfig(model_path=MODELS / "all-MiniLM-L6-v2", num_threads=1, batch_wait_timeout_s=0.001)
-POLICY = GuardrailPolicy.model_validate({
-    "enabled": True,
-    "denied_topics": {"threshold": 0.6, "topics": [
-        {"name": "medical_advice", "descriptions": ["what medicine should I take for my symptoms"]}]},
-})
+POLICY = GuardrailPolicy.model_validate(
+    {
+        "enabled": True,
+        "denied_topics": {
+            "threshold": 0.6,
+            "topics": [{"name": "medical_advice", "descriptions": ["what medicine should I take for my symptoms"]}],
+        },
+    }
+)
 TEXTS = {
     "What is the capital of France?": Action.ALLOWED,
     "Summarise the plot of Hamlet in two lines.": Action.ALLOWED,

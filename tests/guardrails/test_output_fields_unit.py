@@ -30,8 +30,15 @@ def entry(token: str, alts: tuple[str, ...] = ()) -> dict:
     return {"token": token, "logprob": -0.5, "bytes": list(token.encode()), "top_logprobs": top}
 
 
-def chunk(delta: dict | None = None, *, index: int = 0, tokens: list[dict] | None = None, finish: str | None = None) -> dict:
-    choice = {"index": index, "delta": delta or {}, "logprobs": {"content": tokens} if tokens else None, "finish_reason": finish}
+def chunk(
+    delta: dict | None = None, *, index: int = 0, tokens: list[dict] | None = None, finish: str | None = None
+) -> dict:
+    choice = {
+        "index": index,
+        "delta": delta or {},
+        "logprobs": {"content": tokens} if tokens else None,
+        "finish_reason": finish,
+    }
     return {"id": "chatcmpl-1", "object": "chat.completion.chunk", "choices": [choice]}
 
 
@@ -49,11 +56,21 @@ def field(out: list[dict], name: str, index: int = 0) -> str:
 
 
 def tokens(out: list[dict], index: int = 0) -> list[dict]:
-    return [t for e in out for c in e["choices"] if c["index"] == index for t in ((c.get("logprobs") or {}).get("content") or [])]
+    return [
+        t
+        for e in out
+        for c in e["choices"]
+        if c["index"] == index
+        for t in ((c.get("logprobs") or {}).get("content") or [])
+    ]
 
 
 def content_stream(pieces: list[str], alts: tuple[str, ...] = ()) -> list[dict]:
-    return [chunk({"role": "assistant", "content": ""})] + [chunk({"content": p}, tokens=[entry(p, alts)]) for p in pieces] + [chunk(finish="stop")]
+    return (
+        [chunk({"role": "assistant", "content": ""})]
+        + [chunk({"content": p}, tokens=[entry(p, alts)]) for p in pieces]
+        + [chunk(finish="stop")]
+    )
 
 
 def test_stream_guard_counts_consumed_characters_and_reports_rewritten_spans():
@@ -108,12 +125,21 @@ def test_tokens_of_a_redacted_span_are_rewritten_consistently():
 def test_alternatives_are_checked_in_context():
     out = run(rail(), content_stream(["say", " FORBIDDEN-", " x", " y"], alts=("WORD", DENIED, "fine")))
     alts = {t["token"]: [a["token"] for a in t["top_logprobs"]] for t in tokens(out)}
-    assert alts == {"say": ["say", "WORD", "fine"], " FORBIDDEN-": [" FORBIDDEN-", "WORD", "fine"], " x": [" x", "fine"], " y": [" y", "WORD", "fine"]}
+    assert alts == {
+        "say": ["say", "WORD", "fine"],
+        " FORBIDDEN-": [" FORBIDDEN-", "WORD", "fine"],
+        " x": [" x", "fine"],
+        " y": [" y", "WORD", "fine"],
+    }
 
 
 def test_tokens_that_match_no_text_field_are_still_checked():
     # e.g. tool-call markup a parser swallows: the tokens are generated text of their own.
-    events = [chunk({"content": "ok"}, tokens=[entry("ok")]), chunk({}, tokens=[entry(f"<call {DENIED}>")]), chunk({"content": " more " * 10}, tokens=[entry(" more " * 10)])]
+    events = [
+        chunk({"content": "ok"}, tokens=[entry("ok")]),
+        chunk({}, tokens=[entry(f"<call {DENIED}>")]),
+        chunk({"content": " more " * 10}, tokens=[entry(" more " * 10)]),
+    ]
     out = run(r := rail(), events)
     assert r.stopped and DENIED not in json.dumps(out)
     assert out[-1]["choices"][0]["finish_reason"] == "content_filter"
@@ -131,7 +157,12 @@ def test_every_text_field_has_its_own_guard(name):
 def tool_chunk(index: int, args: str, name: str | None = None) -> dict:
     call = {"index": index, "function": {"arguments": args}}
     if name is not None:
-        call = {"index": index, "id": f"call_{index}", "type": "function", "function": {"name": name, "arguments": args}}
+        call = {
+            "index": index,
+            "id": f"call_{index}",
+            "type": "function",
+            "function": {"name": name, "arguments": args},
+        }
     return chunk({"tool_calls": [call]})
 
 
@@ -145,7 +176,13 @@ def test_tool_call_arguments_are_guarded_per_call():
     assert calls[0] == {"index": 0, "id": "call_0", "type": "function", "function": {"name": "a", "arguments": ""}}
     assert out[-1]["choices"][0]["finish_reason"] == "content_filter"
     out = run(rail(), events[:6] + [chunk(finish="tool_calls")])
-    args = "".join(t["function"].get("arguments", "") for e in out for c in e["choices"] for t in c["delta"].get("tool_calls") or [] if t["index"] == 0)
+    args = "".join(
+        t["function"].get("arguments", "")
+        for e in out
+        for c in e["choices"]
+        for t in c["delta"].get("tool_calls") or []
+        if t["index"] == 0
+    )
     assert args == '{"x": "<EMAIL>"}'
 
 
@@ -155,7 +192,12 @@ def test_a_tool_name_is_checked_before_it_is_announced():
 
 
 def test_a_block_in_one_choice_ends_every_choice():
-    events = [chunk({"content": "clean " * 3}, index=0), chunk({"content": "bad " + DENIED}, index=1), chunk(index=1, finish="stop"), chunk({"content": "more"}, index=0)]
+    events = [
+        chunk({"content": "clean " * 3}, index=0),
+        chunk({"content": "bad " + DENIED}, index=1),
+        chunk(index=1, finish="stop"),
+        chunk({"content": "more"}, index=0),
+    ]
     out = run(r := rail(), events)
     assert r.stopped and DENIED not in json.dumps(out)
     ends = {c["index"]: c["finish_reason"] for e in out for c in e["choices"] if c["finish_reason"]}
@@ -175,7 +217,16 @@ def test_role_chunk_and_usage_pass_through_and_token_ids_are_dropped():
 
 def test_completion_logprobs_offsets_follow_the_rewritten_tokens():
     def event(text: str, offset: int, finish: str | None = None) -> dict:
-        lp = {"text_offset": [offset], "token_logprobs": [-0.1], "tokens": [text], "top_logprobs": [{text: -0.1, DENIED: -3.0}]} if text else None
+        lp = (
+            {
+                "text_offset": [offset],
+                "token_logprobs": [-0.1],
+                "tokens": [text],
+                "top_logprobs": [{text: -0.1, DENIED: -3.0}],
+            }
+            if text
+            else None
+        )
         return {"id": "cmpl-1", "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}]}
 
     pieces, off, events = ["write ", "to ", EMAIL[:5], EMAIL[5:], " now"], 0, []
@@ -207,7 +258,12 @@ def test_whole_response_guards_every_field_and_drops_what_follows_a_block():
                 "token_ids": [1, 2],
                 "finish_reason": "tool_calls",
             },
-            {"index": 1, "message": {"role": "assistant", "content": f"fine, {EMAIL}"}, "logprobs": None, "finish_reason": "stop"},
+            {
+                "index": 1,
+                "message": {"role": "assistant", "content": f"fine, {EMAIL}"},
+                "logprobs": None,
+                "finish_reason": "stop",
+            },
         ]
     }
     out = guard_response(body, POLICY, RailMetrics(), chat=True)
@@ -222,8 +278,18 @@ def test_whole_response_guards_every_field_and_drops_what_follows_a_block():
 def test_one_verdict_per_choice_whatever_the_number_of_fields():
     metrics = RailMetrics()
     r = OutputRail(POLICY, metrics, chat=True)
-    run(r, [chunk({"reasoning": "think"}, tokens=[entry("think")]), tool_chunk(0, "{}", "f"), chunk({"content": f"at {EMAIL}"}), chunk(finish="stop")])
-    guard_response({"choices": [{"index": 0, "message": {"content": DENIED}, "finish_reason": "stop"}]}, POLICY, metrics, chat=True)
+    run(
+        r,
+        [
+            chunk({"reasoning": "think"}, tokens=[entry("think")]),
+            tool_chunk(0, "{}", "f"),
+            chunk({"content": f"at {EMAIL}"}),
+            chunk(finish="stop"),
+        ],
+    )
+    guard_response(
+        {"choices": [{"index": 0, "message": {"content": DENIED}, "finish_reason": "stop"}]}, POLICY, metrics, chat=True
+    )
     assert metrics.snapshot() == {("output", "redacted"): 1, ("output", "blocked"): 1}
 
 

@@ -204,7 +204,10 @@ def test_pattern_check_runs_on_re2_and_escapes_literals():
     )
     assert all(isinstance(p, Pattern) for p, _ in check._compiled)
     text = "ü axbbc A.B*(C) id-12 ID-34"
-    assert [(text[m.start : m.end], m.label) for m in check.scan(text)] == [("A.B*(C)", "pattern 0"), ("id-12", "pattern 1")]
+    assert [(text[m.start : m.end], m.label) for m in check.scan(text)] == [
+        ("A.B*(C)", "pattern 0"),
+        ("id-12", "pattern 1"),
+    ]
 
 
 def test_pattern_check_literal_folds_case_like_re():

@@ -226,7 +226,11 @@ def test_pii_verdict_allows_clean_text():
         ("536-22-1234 536-22-1235", EntityType.US_SSN, ["536-22-1234", "536-22-1235"]),
         ("+31 6 12345678,+44 20 7946 0958", EntityType.PHONE, ["+31 6 12345678", "+44 20 7946 0958"]),
         ("12345678Z X1234567L", EntityType.ES_NIF, ["12345678Z", "X1234567L"]),
-        ("AKIAIOSFODNN7EXAMPLE AKIAIOSFODNN7EXAMPLF", EntityType.API_KEY, ["AKIAIOSFODNN7EXAMPLE", "AKIAIOSFODNN7EXAMPLF"]),
+        (
+            "AKIAIOSFODNN7EXAMPLE AKIAIOSFODNN7EXAMPLF",
+            EntityType.API_KEY,
+            ["AKIAIOSFODNN7EXAMPLE", "AKIAIOSFODNN7EXAMPLF"],
+        ),
         # A lookahead that fails makes the pattern back off to a shorter match, as in `re`.
         ("mail a@b.cd.ef-x", EntityType.EMAIL, ["a@b.cd"]),
         ("x@y.zz" * 3, EntityType.EMAIL, ["x@y.zzx", "y.zzx@y.zz"]),  # what `re` found too

@@ -145,7 +145,9 @@ def _linear(times: list[float]) -> bool:
     if times[-1] >= BOUND_S:
         return False
     # Doubling the input at most roughly doubles the time (ignoring steps too small to time).
-    return all(large <= FLOOR_S or large / max(small, FLOOR_S / RATIO) < RATIO for small, large in itertools.pairwise(times))
+    return all(
+        large <= FLOOR_S or large / max(small, FLOOR_S / RATIO) < RATIO for small, large in itertools.pairwise(times)
+    )
 
 
 def assert_linear(label: str, run: Callable[[str], object], build: Callable[[int], str], attempts: int = 3) -> None:

@@ -7,10 +7,7 @@ import pytest
 from retrieval.chunking import chunk_text, word_spans
 from retrieval.config import ChunkingConfig
 
-PARAGRAPHS = [
-    " ".join(f"Paragraph {p} sentence {s} has a few plain words in it." for s in range(6))
-    for p in range(8)
-]
+PARAGRAPHS = [" ".join(f"Paragraph {p} sentence {s} has a few plain words in it." for s in range(6)) for p in range(8)]
 TEXT = "\n\n".join(PARAGRAPHS)
 
 

@@ -11,7 +11,10 @@ from tests.conftest import API_KEY, ROOT
 def run_cli(gateway_url: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "retrieval.cli", *args, "--base-url", gateway_url + "/v1", "--api-key", API_KEY],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 

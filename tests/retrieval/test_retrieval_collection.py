@@ -163,9 +163,7 @@ def test_rejects_bad_input(unit_vectors):
     with pytest.raises(InvalidInputError):
         coll.add_document("b", ["x"], unit_vectors(1, DIM), attributes={"k": [1, 2]})
     with pytest.raises(InvalidInputError):
-        coll.add_document(
-            "b", ["x"], unit_vectors(1, DIM), attributes={f"k{i}": i for i in range(17)}
-        )
+        coll.add_document("b", ["x"], unit_vectors(1, DIM), attributes={f"k{i}": i for i in range(17)})
     with pytest.raises(InvalidInputError):
         coll.search(unit_vectors(1, DIM + 1)[0], 3)
     with pytest.raises(InvalidInputError):
@@ -192,9 +190,7 @@ def test_concurrent_adds_deletes_and_searches(kind, rng):
         try:
             for d in range(30):
                 v = local.standard_normal((3, DIM)).astype(np.float32)
-                coll.add_document(
-                    f"w{w}-{d}", ["a", "b", "c"], v / np.linalg.norm(v, axis=1, keepdims=True)
-                )
+                coll.add_document(f"w{w}-{d}", ["a", "b", "c"], v / np.linalg.norm(v, axis=1, keepdims=True))
                 if d % 3 == 2:
                     coll.delete_document(f"w{w}-{d - 1}")
         except BaseException as exc:  # surfaced by the assertion below

@@ -63,8 +63,7 @@ def test_policy_render_is_literal():
         Hit(0.5, "file-2", 7, 3, "second", "b.md", {}),
     ]
     assert policy.render(hits) == (
-        "Context {json: {x}}:\n<1|a.md|0.912> uses {text} and {passages} literally\n\n"
-        "<2|b.md|0.500> second\nEnd."
+        "Context {json: {x}}:\n<1|a.md|0.912> uses {text} and {passages} literally\n\n<2|b.md|0.500> second\nEnd."
     )
     assert policy.render([]) == ""
 
@@ -110,9 +109,7 @@ def test_filters_follow_openai_shape(filter_json, expected):
         {},
     ]
     parsed = TypeAdapter(AttributeFilter).validate_python(filter_json)
-    assert isinstance(
-        parsed, CompoundFilter if filter_json["type"] in ("and", "or") else ComparisonFilter
-    )
+    assert isinstance(parsed, CompoundFilter if filter_json["type"] in ("and", "or") else ComparisonFilter)
     assert [parsed.matches(d) for d in docs] == expected
 
 

@@ -21,10 +21,7 @@ DIM = 16
 
 def snapshot(coll: Collection, queries: np.ndarray) -> tuple:
     results = [
-        [
-            (h.score, h.doc_id, h.chunk_id, h.chunk_index, h.text, h.source, h.attributes)
-            for h in coll.search(q, 8)
-        ]
+        [(h.score, h.doc_id, h.chunk_id, h.chunk_index, h.text, h.source, h.attributes) for h in coll.search(q, 8)]
         for q in queries
     ]
     return results, coll.list_documents(), coll.info(), coll.stats()
@@ -140,9 +137,7 @@ def test_store_create_list_rename_delete(tmp_path, unit_vectors):
     with pytest.raises(CollectionNotFoundError):
         store.delete(b.id)
     reopened = CollectionStore(tmp_path, dimension=DIM)
-    assert [(i.id, i.name, i.metadata) for i in reopened.list()] == [
-        (a.id, "beta", {"owner": "you"})
-    ]
+    assert [(i.id, i.name, i.metadata) for i in reopened.list()] == [(a.id, "beta", {"owner": "you"})]
     with pytest.raises(StorageCorruptError):
         CollectionStore(tmp_path, dimension=DIM + 1)
 

@@ -98,9 +98,9 @@ def _config(storage) -> RetrievalConfig:
 def _start(storage):
     config = _config(storage)
     # Small CPU claims: the session's Ray has 4 CPUs shared with the gateway's apps.
-    embedder = Embedder.options(
-        ray_actor_options={"num_cpus": 0.25, "runtime_env": {"env_vars": OMP_ENV}}
-    ).bind(config.embedding)
+    embedder = Embedder.options(ray_actor_options={"num_cpus": 0.25, "runtime_env": {"env_vars": OMP_ENV}}).bind(
+        config.embedding
+    )
     retriever = Retriever.options(ray_actor_options={"num_cpus": 0.25}).bind(embedder, config)
     handle = serve.run(retriever, name=APP, route_prefix=None)
     return handle, serve.get_deployment_handle("Embedder", app_name=APP)
@@ -170,9 +170,7 @@ def test_token_input_and_counting(embedder, local_encoder):
     ids = local_encoder.token_ids(text)[1:-1]  # without [CLS]/[SEP]
     from_ids = embedder.embed_tokens.remote(ids).result()
     np.testing.assert_allclose(from_ids, local_encoder.encode([text])[0], atol=1e-5)
-    assert embedder.count_tokens.remote(["one two", text]).result() == local_encoder.count_tokens(
-        ["one two", text]
-    )
+    assert embedder.count_tokens.remote(["one two", text]).result() == local_encoder.count_tokens(["one two", text])
     info = embedder.info.remote().result()
     assert (info["dimension"], info["max_tokens"]) == (384, 256)
     assert info["model"] == "sentence-transformers/all-MiniLM-L6-v2"
@@ -280,10 +278,7 @@ def test_objects_follow_the_openai_schema(retriever, corpus):
     FileObject.model_validate(retriever.get_file.remote(file_ids["pasta.md"], caller=OP).result())
     content = retriever.get_store_file_content.remote(store_id, file_ids["pasta.md"], caller=OP).result()
     assert content["object"] == "vector_store.file_content.page" and len(content["data"]) >= 2
-    assert (
-        retriever.get_file_content.remote(file_ids["pasta.md"], caller=OP).result()
-        == DOCS["pasta.md"].encode()
-    )
+    assert retriever.get_file_content.remote(file_ids["pasta.md"], caller=OP).result() == DOCS["pasta.md"].encode()
     listing = retriever.list_store_files.remote(store_id, limit=2, order="asc", caller=OP).result()
     assert len(listing["data"]) == 2 and listing["has_more"] is True
     temp = retriever.create_store.remote(name="temp", caller=OP).result()
@@ -425,23 +420,16 @@ class HandleClient:
             ),
             content=lambda file_id, vector_store_id: [
                 SimpleNamespace(**item)
-                for item in h.get_store_file_content.remote(vector_store_id, file_id, caller=OP).result()[
-                    "data"
-                ]
+                for item in h.get_store_file_content.remote(vector_store_id, file_id, caller=OP).result()["data"]
             ],
         )
         self.vector_stores = SimpleNamespace(
             list=lambda limit=20: [
-                VectorStore.model_validate(s)
-                for s in h.list_stores.remote(limit=limit, caller=OP).result()["data"]
+                VectorStore.model_validate(s) for s in h.list_stores.remote(limit=limit, caller=OP).result()["data"]
             ],
-            create=lambda name: VectorStore.model_validate(
-                h.create_store.remote(name=name, caller=OP).result()
-            ),
+            create=lambda name: VectorStore.model_validate(h.create_store.remote(name=name, caller=OP).result()),
             files=files,
-            search=lambda store_id, query, max_num_results: self._search(
-                h, store_id, query, max_num_results
-            ),
+            search=lambda store_id, query, max_num_results: self._search(h, store_id, query, max_num_results),
         )
 
     @staticmethod

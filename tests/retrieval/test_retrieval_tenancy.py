@@ -88,9 +88,7 @@ class FakeEmbedder:
     def __init__(self) -> None:
         info = {"max_tokens": 256, "dimension": DIM, "model": "fake-bag-of-words"}
         self.info = _Method(lambda: {**info, "model_path": "unused"})
-        self.embed = _Method(
-            lambda text, truncate=False, index=0: _bag(FakeTokenizer().ids_and_spans(text)[0])
-        )
+        self.embed = _Method(lambda text, truncate=False, index=0: _bag(FakeTokenizer().ids_and_spans(text)[0]))
         self.embed_tokens = _Method(lambda ids, index=0: _bag(list(ids)))
 
 
@@ -209,12 +207,8 @@ def test_files_are_invisible_to_other_tenants(world):
     assert run(r.get_file_content(world.fa, caller=ALICE)) == VOLCANO.encode()
     assert run(r.get_store_file(world.sa, world.fa, caller=ALICE))["status"] == "completed"
     # An admin is not a tenant either: the operator's files are its own.
-    missing_like(
-        run, lambda f: r.get_file(f, caller=ADMIN), world.fa, NO_FILE, FileNotFoundInStoreError
-    )
-    missing_like(
-        run, lambda f: r.get_file(f, caller=ALICE), world.fop, NO_FILE, FileNotFoundInStoreError
-    )
+    missing_like(run, lambda f: r.get_file(f, caller=ADMIN), world.fa, NO_FILE, FileNotFoundInStoreError)
+    missing_like(run, lambda f: r.get_file(f, caller=ALICE), world.fop, NO_FILE, FileNotFoundInStoreError)
 
 
 def test_file_lists_show_only_the_callers_files(world):
@@ -224,9 +218,7 @@ def test_file_lists_show_only_the_callers_files(world):
     assert ids(run(r.list_files(caller=ADMIN2))) == [world.fop]  # every admin key: the operator
     assert all("owner" not in f for f in run(r.list_files(caller=ALICE))["data"])
     # A cursor naming someone else's file is an unknown id.
-    missing_like(
-        run, lambda f: r.list_files(after=f, caller=BOB), world.fa, NO_FILE, InvalidInputError
-    )
+    missing_like(run, lambda f: r.list_files(after=f, caller=BOB), world.fa, NO_FILE, InvalidInputError)
 
 
 def test_deleting_a_file_removes_it_from_the_owners_stores(world):
@@ -267,12 +259,8 @@ def test_stores_are_invisible_to_other_tenants(world):
     assert hits and hits[0]["file_id"] == fa
     assert run(r.get_store_file_content(world.sa, fa, caller=ALICE))["data"]
     # Tenants cannot reach the operator's stores through the API either, only through a policy.
-    missing_like(
-        run, lambda s: r.get_store(s, caller=ALICE), world.sop, NO_STORE, CollectionNotFoundError
-    )
-    missing_like(
-        run, lambda s: r.get_store(s, caller=ADMIN), world.sa, NO_STORE, CollectionNotFoundError
-    )
+    missing_like(run, lambda s: r.get_store(s, caller=ALICE), world.sop, NO_STORE, CollectionNotFoundError)
+    missing_like(run, lambda s: r.get_store(s, caller=ADMIN), world.sa, NO_STORE, CollectionNotFoundError)
     # Every admin key manages the operator's stores.
     assert run(r.get_store(world.sop, caller=ADMIN2))["name"] == "docs"
 
@@ -341,9 +329,7 @@ def test_requested_stores_are_the_callers_own_or_the_policys(world):
     query = "lava volcano tides moon vacation handbook"
 
     def stores(policy, requested, caller):
-        return {
-            p.vector_store_id for p in run(r.retrieve(policy, requested, query, 10, caller=caller))
-        }
+        return {p.vector_store_id for p in run(r.retrieve(policy, requested, query, 10, caller=caller))}
 
     # Another tenant's store, by id, is a 404 exactly like a store that does not exist.
     missing_like(
@@ -382,12 +368,8 @@ def test_requested_stores_are_the_callers_own_or_the_policys(world):
 def test_owners_survive_a_restart(world, open_retriever):
     run = world.run
     r = open_retriever()  # a new Retriever on the same storage directory
-    missing_like(
-        run, lambda s: r.get_store(s, caller=BOB), world.sa, NO_STORE, CollectionNotFoundError
-    )
-    missing_like(
-        run, lambda f: r.get_file(f, caller=BOB), world.fa, NO_FILE, FileNotFoundInStoreError
-    )
+    missing_like(run, lambda s: r.get_store(s, caller=BOB), world.sa, NO_STORE, CollectionNotFoundError)
+    missing_like(run, lambda f: r.get_file(f, caller=BOB), world.fa, NO_FILE, FileNotFoundInStoreError)
     assert ids(run(r.list_stores(order="asc", caller=ALICE))) == [world.sa, world.simp]
     assert ids(run(r.list_files(caller=BOB))) == [world.fb]
     assert ids(run(r.list_stores(caller=ADMIN))) == [world.sop]
@@ -410,12 +392,8 @@ def test_data_without_an_owner_belongs_to_the_operator(world, open_retriever, tm
     r = open_retriever()
     assert run(r.get_store(world.sa, caller=ADMIN))["id"] == world.sa
     assert run(r.get_file(world.fa, caller=ADMIN2))["id"] == world.fa
-    missing_like(
-        run, lambda s: r.get_store(s, caller=ALICE), world.sa, NO_STORE, CollectionNotFoundError
-    )
-    missing_like(
-        run, lambda f: r.get_file(f, caller=ALICE), world.fa, NO_FILE, FileNotFoundInStoreError
-    )
+    missing_like(run, lambda s: r.get_store(s, caller=ALICE), world.sa, NO_STORE, CollectionNotFoundError)
+    missing_like(run, lambda f: r.get_file(f, caller=ALICE), world.fa, NO_FILE, FileNotFoundInStoreError)
     # The operator's now: a policy may name it.
     assert stores_named(run, r, "notes", ADMIN) == {world.sa}
     passages = run(r.retrieve(["notes"], None, "lava volcano", 4, caller=BOB))
