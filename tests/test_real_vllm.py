@@ -449,6 +449,29 @@ def settled_metrics(url: str, timeout_s: float = 120) -> tuple[dict, list[dict]]
 CUISINE = [{"role": "user", "content": "Write two sentences about French cuisine, then name the capital of France."}]
 
 
+def test_a_client_that_stops_reading_stops_vllm(gateway_process, operator_key):
+    """A chat UI's stop button closes the connection: the gateway cancels the engine call and
+    vLLM stops generating (uncut, this request would run 1000 tokens, minutes on this CPU)."""
+    metrics_url = gateway_process.metrics_url()
+    before, _ = settled_metrics(metrics_url)
+    body = {"model": MODEL, "stream": True, "max_tokens": 1000, "ignore_eos": True, "messages": CUISINE}
+    headers = {"Authorization": f"Bearer {operator_key}"}
+    with httpx.stream(
+        "POST", gateway_process.url + "/v1/chat/completions", json=body, headers=headers, timeout=120
+    ) as r:
+        assert r.status_code == 200
+        received = 0
+        for line in r.iter_lines():
+            received += line.startswith("data: ")
+            if received >= 5:
+                break  # the user pressed stop: leaving the block closes the connection
+    after, seen = settled_metrics(metrics_url)
+    generated = after["generation_tokens"] - before["generation_tokens"]
+    print(f"stop button: {received} events read, vLLM generated {generated:.0f} of 1000 tokens; {seen[-1]}")
+    # settled_metrics also saw the running-requests gauge at 0 after the last token.
+    assert generated < 200 and after["finished"] == before["finished"]
+
+
 def test_output_rail_cuts_the_real_stream_and_vllm_aborts(gateway_process, operator_key, paris_forbidden):
     url = gateway_process.url + "/v1/chat/completions"
     headers = {"Authorization": f"Bearer {operator_key}"}

@@ -164,3 +164,18 @@ def test_repeated_history_is_answered_from_the_verdict_cache(client, engine_even
         assert client.chat.completions.create(model=MODEL, messages=history).choices[0].message.content
     history.append({"role": "user", "content": f"card {CARD}"})
     _blocked(client, engine_events, messages=history)
+
+
+def test_a_chat_uis_housekeeping_requests_pass(client):
+    """Chat front ends send title and follow-up requests as user turns, with no max_tokens;
+    they are instructions, not injections, and must be answered."""
+    history = (
+        "USER: Which trains go from Utrecht to Amsterdam?\nASSISTANT: Every ten minutes; the trip takes 27 minutes."
+    )
+    for task in (
+        "### Task:\nCreate a short title of 3-5 words, with one emoji, for the chat below.\n"
+        '### Output:\nJSON: {"title": "..."}\n### Chat History:\n<chat_history>\n' + history + "\n</chat_history>",
+        "### Task:\nSuggest 3 follow-up questions the user might ask next.\n"
+        '### Output:\nJSON format: { "follow_ups": ["Question?"] }\n### Chat History:\n' + history,
+    ):
+        assert client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": task}]).choices
