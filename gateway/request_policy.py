@@ -26,6 +26,9 @@ class RequestDefaults(_Strict):
     max_tokens: PositiveInt | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
+    # vLLM's (HF-style) penalty on tokens already in the prompt or the answer; small models
+    # fall into loops ("la femme, la femme, ...") without it.
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
 
 
 class RequestCaps(_Strict):
@@ -55,7 +58,7 @@ def apply(policy: RequestPolicy, data: dict[str, Any], *, chat: bool) -> None:
     defaults = policy.defaults
     if defaults.max_tokens is not None and data.get(length_field) is None:
         data[length_field] = min(defaults.max_tokens, policy.caps.max_tokens or defaults.max_tokens)
-    for name in ("temperature", "top_p"):
+    for name in ("temperature", "top_p", "repetition_penalty"):
         value = getattr(defaults, name)
         if value is not None and data.get(name) is None:
             data[name] = value

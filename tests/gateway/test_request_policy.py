@@ -65,6 +65,13 @@ def test_clamp_instead_of_reject():
     assert data == {"max_tokens": 10, "n": 2}
 
 
+def test_sampling_defaults_fill_only_what_is_missing():
+    policy = RequestPolicy.model_validate({"defaults": {"temperature": 0.2, "top_p": 0.9, "repetition_penalty": 1.1}})
+    data: dict = {"temperature": 0.7, "top_p": None}
+    apply(policy, data, chat=True)
+    assert data == {"temperature": 0.7, "top_p": 0.9, "repetition_penalty": 1.1}
+
+
 def test_default_never_exceeds_the_cap():
     policy = RequestPolicy.model_validate({"defaults": {"max_tokens": 100}, "caps": {"max_tokens": 10}})
     data: dict = {}
