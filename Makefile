@@ -33,13 +33,14 @@ $(GATEWAY_MODELS_DIR)/.prepared: $(VENV)/.installed-$(PROFILE) engines/provision
 	$(PY) -m engines.provision --models-dir $(GATEWAY_MODELS_DIR)
 	touch $@
 
-# The prompt-injection classifier is trained here, from the labeled set in guardrails/data.
-$(GATEWAY_MODELS_DIR)/injection_classifier.npz: $(GATEWAY_MODELS_DIR)/.prepared guardrails/data/injection_train.jsonl guardrails/train_injection.py retrieval/encoder.py
+# The prompt-injection classifier (MiniLM + multilingual USE + character n-grams, stacked) is
+# trained here, from the labeled set in guardrails/data.
+$(GATEWAY_MODELS_DIR)/injection_classifier.npz: $(GATEWAY_MODELS_DIR)/.prepared guardrails/data/injection_train.jsonl guardrails/train_injection.py guardrails/detectors/injection_ensemble.py retrieval/encoder.py
 	$(PY) -m guardrails.train_injection --model-dir $(GATEWAY_MODELS_DIR)/all-MiniLM-L6-v2 --out $@.tmp.npz
 	mv $@.tmp.npz $@
 
 run: setup
-	$(PY) -m gateway run --config configs/gateway.yaml
+	$(PY) -m gateway run --config configs/gateway.yaml --watch
 
 # ruff: lint and format check, before any test runs.
 lint: install

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class StrictModel(BaseModel):
@@ -71,6 +71,14 @@ class Placement(StrictModel):
     # PACK lets a pipeline-parallel model span nodes when one node has too few GPUs;
     # STRICT_PACK keeps tensor-parallel shards on one node's NVLink.
     strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = "PACK"
+    # Ray custom resources added to every bundle, e.g. {"engine": 1} to keep engines on the
+    # nodes started with that resource (`ray start --resources`; see README "Running on a Ray cluster").
+    resources: dict[str, float] = Field(default_factory=dict)
+
+    @field_validator("resources")
+    @classmethod
+    def _custom_resources(cls, resources: dict[str, float]) -> dict[str, float]:
+        return check_custom_resources(resources)
 
     @model_validator(mode="after")
     def _cpu_rules(self) -> Placement:
@@ -90,6 +98,10 @@ class Autoscaling(StrictModel):
     min_replicas: int = Field(1, ge=0)
     max_replicas: int = Field(1, ge=1)
     target_ongoing_requests: float = Field(16, gt=0)
+    # How long Serve waits with the load past (below) the target before adding (removing) a
+    # replica; None leaves Serve's defaults (30 s / 600 s). benchmarks/capacity.py recommends them.
+    upscale_delay_s: float | None = Field(None, ge=0)
+    downscale_delay_s: float | None = Field(None, ge=0)
 
     @model_validator(mode="after")
     def _ordered(self) -> Autoscaling:
@@ -106,6 +118,9 @@ class Scaling(StrictModel):
     # vLLM batches continuously; this only bounds what one replica accepts before
     # Serve routes elsewhere or queues. Serve's default of 5 starves the engine.
     max_ongoing_requests: int = Field(64, ge=1)
+    # Requests waiting (per ingress replica) once every replica holds max_ongoing_requests;
+    # past it the gateway answers 503 with Retry-After instead of waiting without bound.
+    max_queued_requests: int = Field(64, ge=1)
 
 
 class EngineSpec(StrictModel):
@@ -117,6 +132,16 @@ class EngineSpec(StrictModel):
     engine: EngineSettings = EngineSettings()
     placement: Placement = Placement()
     deployment: Scaling = Scaling()
+
+
+def check_custom_resources(resources: dict[str, float]) -> dict[str, float]:
+    """Ray custom resources: the predefined ones have their own settings."""
+    for name, amount in resources.items():
+        if name in ("CPU", "GPU", "memory", "object_store_memory") or name.startswith("accelerator_type:"):
+            raise ValueError(f"{name!r} is not a custom resource; use the placement's own settings")
+        if amount < 0:
+            raise ValueError(f"resource {name!r}: amount must not be negative")
+    return resources
 
 
 def format_validation_error(path: Path, exc: ValidationError) -> str:

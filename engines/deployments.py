@@ -14,6 +14,7 @@ from ray.serve.deployment import Application
 from ray.serve.llm import LLMConfig, build_llm_deployment
 
 from engines.config import EngineSpec
+from engines.responses_server import ResponsesServer
 
 # The LLMServer replica actor itself only relays requests to the engine process,
 # which owns the real CPU or GPU bundle; reserving a whole core for the relay would
@@ -35,6 +36,7 @@ def placement_group_config(model: EngineSpec) -> dict[str, Any]:
             # Ray's convention: a tiny request of the accelerator_type resource pins
             # the bundle to nodes of that type.
             bundle[f"accelerator_type:{p.accelerator_type}"] = 0.001
+    bundle.update(p.resources)
     return {"bundles": [dict(bundle) for _ in range(p.world_size)], "strategy": p.strategy}
 
 
@@ -42,10 +44,11 @@ def deployment_config(model: EngineSpec) -> dict[str, Any]:
     scaling = model.deployment
     config: dict[str, Any] = {
         "max_ongoing_requests": scaling.max_ongoing_requests,
+        "max_queued_requests": scaling.max_queued_requests,
         "ray_actor_options": {"num_cpus": REPLICA_ACTOR_CPUS},
     }
     if scaling.autoscaling is not None:
-        config["autoscaling_config"] = scaling.autoscaling.model_dump()
+        config["autoscaling_config"] = scaling.autoscaling.model_dump(exclude_none=True)
     else:
         config["num_replicas"] = scaling.num_replicas
     return config
@@ -75,8 +78,10 @@ def llm_config(model: EngineSpec, models_dir: Path) -> LLMConfig:
     )
 
 
-def build_engine_deployment(model: EngineSpec, models_dir: Path, *, engine_cls: type | None = None) -> Application:
-    """A bound ``LLMServer`` deployment for ``model``.
+def build_engine_deployment(
+    model: EngineSpec, models_dir: Path, *, engine_cls: type | None = None, name: str | None = None
+) -> Application:
+    """A bound ``LLMServer`` deployment for ``model``, named ``name`` (default ``Engine:<model_id>``).
 
     ``engine_cls`` replaces vLLM with another ``LLMEngine`` (the deterministic test
     engine in the fast test tier); production leaves it unset.
@@ -86,4 +91,7 @@ def build_engine_deployment(model: EngineSpec, models_dir: Path, *, engine_cls: 
         llm_config(model, models_dir),
         name_prefix="Engine:",
         bind_kwargs=bind_kwargs,
+        # LLMServer plus `responses` (vLLM's Responses API), which Ray Serve LLM 2.60 lacks.
+        deployment_cls=ResponsesServer,
+        override_serve_options={"name": name} if name else None,
     )

@@ -32,6 +32,8 @@ UTF-8 bytes, and as alternatives the piece itself then each ``alt``, cut to ``to
 ``max_tokens`` truncates the content (finish_reason "length"). Every request's rendered
 prompt and its fate (finished, cancelled, failed) go to the ``EngineRecorder`` actor when
 one is running, so tests can see what reached the engine and whether it was cancelled.
+The Responses API (``responses``) is answered from the same directives by
+engines/responses_script.py.
 """
 
 from __future__ import annotations
@@ -230,6 +232,13 @@ class ScriptedEngine(LLMEngine):
 
     async def transcriptions(self, request, raw_request_info=None):
         yield _error("the scripted engine does not transcribe")
+
+    async def responses(self, request: dict, raw_request_info=None) -> AsyncGenerator[Any, None]:
+        """The Responses API (engines/responses_script.py), as ``VLLMResponsesEngine`` answers it."""
+        from engines.responses_script import scripted_responses  # it imports this module
+
+        async for item in scripted_responses(self._model_id, request):
+            yield item
 
     async def _run(
         self, request, prompt: str, script: Script, top: int | None, *, chat: bool, **extra

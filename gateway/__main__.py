@@ -1,8 +1,13 @@
-"""``python -m gateway run``: start Ray (or join a cluster), deploy the gateway, serve.
+"""The gateway's command line.
 
-python -m gateway run --config configs/gateway.yaml [--port 8000] [--address auto]
-python -m gateway check --config configs/gateway.yaml     # validate configs only
-python -m gateway keys add alice --file keys.yaml           # create an API key
+python -m gateway run --config configs/gateway.yaml [--port 8000] [--watch]   # start Ray and serve
+python -m gateway apply --config configs/gateway.yaml [--dry-run]            # change a running gateway
+python -m gateway status                                                     # what runs, which versions
+python -m gateway render --config configs/gateway.yaml > serve.yaml          # for `serve deploy`
+python -m gateway render --kuberay --config deploy/kuberay/gateway.yaml      # a KubeRay RayService
+python -m gateway check --config configs/gateway.yaml                        # validate configs only
+python -m gateway keys add alice --file keys.yaml                            # create an API key
+python -m gateway cluster up --workers 2 / down                              # a local multi-node Ray
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ def _run(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from gateway.app import build_gateway
+    from gateway import deploy
 
     started = time.monotonic()
     stop = threading.Event()
@@ -75,18 +80,26 @@ def _run(args: argparse.Namespace) -> int:
     # headroom beyond the physical count instead of leaving them unscheduled.
     num_cpus = None if args.address else (args.num_cpus or (os.cpu_count() or 1) + 2)
     try:
-        ray.init(
-            address=args.address, num_cpus=num_cpus, include_dashboard=args.dashboard, logging_level=logging.WARNING
+        # The dashboard carries Serve's REST API: `gateway apply` (and `serve deploy`) go through it.
+        context = ray.init(
+            address=args.address,
+            num_cpus=num_cpus,
+            include_dashboard=True,
+            dashboard_host="127.0.0.1",
+            dashboard_port=args.dashboard_port,
+            logging_level=logging.WARNING,
         )
+        dashboard = "http://" + context.dashboard_url
         serve.start(http_options={"host": config.gateway.host, "port": config.gateway.port})
         ids = ", ".join(m.model_id for m in config.models)
         print(f"starting {len(config.models)} model(s): {ids} (vLLM start-up takes a minute or two on CPU)", flush=True)
         stop_dots = _dots_while_waiting()
         try:
-            serve.run(build_gateway(config), name="gateway", route_prefix="/", blocking=False)
+            deploy.apply(config, address=dashboard)
         finally:
             stop_dots()
         serving.set()
+        print(f"Serve REST API (for `python -m gateway apply --address`): {dashboard}", flush=True)
         url = f"http://{config.gateway.host}:{config.gateway.port}/v1"
         print(f"gateway ready in {time.monotonic() - started:.0f}s, listening on {url}", flush=True)
         print(f"serving models: {ids}", flush=True)
@@ -99,6 +112,8 @@ def _run(args: argparse.Namespace) -> int:
             )
         if config.gateway.embedding.enabled:
             print(f"embedding model: {config.gateway.embedding.model_id}", flush=True)
+        if args.watch:
+            _watch(args.config, overrides, dashboard, stop)
         stop.wait()
     except KeyboardInterrupt:
         pass
@@ -108,6 +123,99 @@ def _run(args: argparse.Namespace) -> int:
             serve.shutdown()
         finally:
             ray.shutdown()
+    return 0
+
+
+def _config_files(path: str) -> list[str]:
+    from gateway.config import load_config
+
+    try:
+        config = load_config(path)
+    except ConfigError:
+        return [path]
+    return [str(config.path), *map(str, config.model_files)]
+
+
+def _watch(path: str, overrides: dict, dashboard: str, stop: threading.Event) -> None:
+    """`run --watch`: apply the config files whenever one changes (as `apply` would)."""
+
+    def stamps() -> dict[str, int]:
+        out = {}
+        for f in _config_files(path):
+            try:
+                out[f] = os.stat(f).st_mtime_ns
+            except OSError:
+                out[f] = -1
+        return out
+
+    def loop() -> None:
+        seen = stamps()
+        while not stop.wait(1.0):
+            now = stamps()
+            if now == seen:
+                continue
+            seen = now
+            _apply_and_report(path, overrides, dashboard, dry_run=False)
+
+    threading.Thread(target=loop, daemon=True, name="config-watch").start()
+    print(f"watching {path} and its model files; changes are applied as they are saved", flush=True)
+
+
+def _apply_and_report(path: str, overrides: dict, address: str | None, *, dry_run: bool) -> int:
+    from gateway import deploy
+    from gateway.config import load_config
+
+    try:
+        config = load_config(path, **overrides)
+        plan = deploy.apply(config, address=address, dry_run=dry_run)
+    except ConfigError as exc:
+        print(f"refused, nothing changed:\n{exc}", file=sys.stderr, flush=True)
+        return 2
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"apply failed: {exc}", file=sys.stderr, flush=True)
+        return 1
+    verb = "would apply" if dry_run else "applied"
+    for line in plan.lines():
+        print(f"{verb}: {line}", flush=True)
+    return 0
+
+
+def _apply(args: argparse.Namespace) -> int:
+    overrides = {k: v for k, v in (("port", args.port), ("host", args.host)) if v is not None}
+    return _apply_and_report(args.config, overrides, args.address, dry_run=args.dry_run)
+
+
+def _render(args: argparse.Namespace) -> int:
+    import yaml
+
+    from gateway import deploy
+    from gateway.config import load_config
+
+    config = load_config(args.config)
+    if args.kuberay:
+        from gateway import kuberay
+
+        print(kuberay.render(config, image=args.image), end="")
+        return 0
+    print(yaml.safe_dump(deploy.serve_config(config), sort_keys=False), end="")
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    """What Serve runs: each application's state, and the config version of each model."""
+    from gateway import deploy
+
+    api = deploy.ServeAPI(args.address)
+    details = api.details()
+    apps = details.get("applications") or {}
+    for name, app in sorted(apps.items()):
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(app.get("last_deployed_time_s") or 0))
+        print(f"{name}: {app.get('status')} (deployed {when})")
+    current = api.deployed_config() or {}
+    for model_id, file in deploy.deployed_models(current).items():
+        from gateway.model_file import ModelFile
+
+        print(f"model {model_id}: config version {ModelFile.model_validate(file).policy().version}")
     return 0
 
 
@@ -181,8 +289,22 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--host")
     run.add_argument("--port", type=int)
     run.add_argument("--address", default=None, help="Ray cluster address (default: start a local one)")
-    run.add_argument("--dashboard", action="store_true", help="start Ray's dashboard")
+    run.add_argument("--dashboard-port", type=int, default=8265, help="Ray dashboard (Serve's REST API) port")
+    run.add_argument("--watch", action="store_true", help="apply config file changes as they are saved")
     run.add_argument("--num-cpus", type=float, help="CPUs a local Ray may place (default: cores + 2)")
+    address_help = "Ray dashboard address (default $RAY_DASHBOARD_ADDRESS or http://127.0.0.1:8265)"
+    apply = sub.add_parser("apply", help="validate the config, show what changes and in which tier, apply it")
+    apply.add_argument("--config", default="configs/gateway.yaml")
+    apply.add_argument("--address", help=address_help)
+    apply.add_argument("--host")
+    apply.add_argument("--port", type=int)
+    apply.add_argument("--dry-run", action="store_true", help="only print what would change")
+    status = sub.add_parser("status", help="the running applications and each model's config version")
+    status.add_argument("--address", help=address_help)
+    render = sub.add_parser("render", help="print the Serve config (for `serve deploy`)")
+    render.add_argument("--config", default="configs/gateway.yaml")
+    render.add_argument("--kuberay", action="store_true", help="a KubeRay RayService manifest around the Serve config")
+    render.add_argument("--image", default="ray-llm-gateway:0.1.0-gpu", help="--kuberay: the image (this repository)")
     check = sub.add_parser("check", help="validate the configuration files and exit")
     check.add_argument("--config", default="configs/gateway.yaml")
     keys = sub.add_parser("keys", help="manage the API keys file")
@@ -192,9 +314,13 @@ def main(argv: list[str] | None = None) -> int:
     add.add_argument("--file", required=True, help="the keys file (auth.keys_file)")
     add.add_argument("--scopes", default="chat,documents", help="comma-separated: chat, documents, admin")
     add.add_argument("--models", default="*", help="comma-separated model ids, or * for all")
+    from gateway import cluster
+
+    cluster.add_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    commands = {"run": _run, "check": _check, "keys": _keys}
+    commands = {"run": _run, "apply": _apply, "status": _status, "render": _render, "check": _check, "keys": _keys}
+    commands["cluster"] = cluster.command
     try:
         return commands[args.command](args)
     except (ConfigError, ValueError) as exc:

@@ -17,7 +17,7 @@ import logging
 import os
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -25,6 +25,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from gateway.errors import AUTHENTICATION, PERMISSION, APIError
+from gateway.limiter_config import KeyLimits
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,8 @@ class Principal:
     name: str
     scopes: frozenset[str] = ALL_SCOPES
     models: frozenset[str] | None = None
+    # Overrides of gateway.yaml's `limits.default` for this key (gateway/limits.py).
+    limits: KeyLimits | None = field(default=None, compare=False, hash=False)
 
     @property
     def admin(self) -> bool:
@@ -81,6 +84,7 @@ class _PrincipalEntry(BaseModel):
     key_sha256: list[str] = Field(min_length=1)
     scopes: list[Scope] = Field(default_factory=lambda: ["chat", "documents"])
     models: list[str] = Field(default_factory=lambda: ["*"], min_length=1)
+    limits: KeyLimits | None = None  # rate limits and budget, over gateway.yaml's defaults
 
     @field_validator("key_sha256", mode="before")
     @classmethod
@@ -97,7 +101,7 @@ class _PrincipalEntry(BaseModel):
 
     def principal(self) -> Principal:
         models = None if "*" in self.models else frozenset(self.models)
-        return Principal(self.name, frozenset(self.scopes), models)
+        return Principal(self.name, frozenset(self.scopes), models, self.limits)
 
 
 class KeysFile(BaseModel):

@@ -15,8 +15,11 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
+from gateway import metrics
+from gateway.bounds import RetryableError, overloaded, retry_after_of, within
 from gateway.errors import UNAVAILABLE, APIError, bad_request
 from gateway.retrieval_routes import call
 from guardrails.config import GuardrailPolicy
@@ -125,28 +128,33 @@ def blocked_error(verdict, param: str = "messages") -> APIError:
 
 
 async def input_rails(
-    guard: DeploymentHandle, model_id: str, policy: GuardrailPolicy, slots: list[TextSlot], *, param: str = "messages"
+    guard: DeploymentHandle,
+    model_id: str,
+    policy: GuardrailPolicy,
+    slots: list[TextSlot],
+    *,
+    param: str = "messages",
+    timeout_s: float | None = None,
+    retry_after_s: float | None = None,
 ) -> bool:
     """Size limits over every text; PII, injection and denied topics over every text whose
     role the policy does not exempt. Blocks with a 400 naming the policy, or writes the
-    redacted texts back into the request and returns True."""
+    redacted texts back into the request and returns True. Past ``timeout_s`` the check
+    counts as failed: 504 unless the policy fails open."""
     checked = [s for s in slots if s.role not in policy.exempt_roles]
     try:
         instructions = [s.role in policy.injection.instruction_roles for s in checked]
-        decision = await guard.check_input.remote(
+        call_ = guard.check_input.remote(
             model_id, policy, [s.get() for s in checked], [s.get() for s in slots], instructions
         )
+        with metrics.stage("input_rails"):
+            decision = await within(call_, timeout_s, "guardrails")
     except Exception as exc:
         # The guardrails deployment itself failed: fail closed unless the policy says otherwise.
         logger.error("guardrails unavailable for %s: %s", model_id, type(exc).__name__)
         if policy.fail_open:
             return False
-        raise APIError(
-            503,
-            "The guardrails service is unavailable; try again shortly.",
-            type=UNAVAILABLE,
-            code="guardrails_unavailable",
-        ) from None
+        raise stage_failure("guardrails", exc, retry_after_s) from None
     if decision.verdict.blocked:
         raise blocked_error(decision.verdict, param)
     if not decision.verdict.redacted:
@@ -244,12 +252,18 @@ async def retrieval(
     request: RetrievalRequest,
     messages: list[dict[str, Any]],
     caller: Caller,
+    *,
+    timeout_s: float | None = None,
+    guardrails_timeout_s: float | None = None,
+    retry_after_s: float | None = None,
 ) -> list[Passage]:
     """Find passages for the last user message and put them in a system message at the
     start of the conversation. Returns the passages used (for sources).
 
     The policy's stores are the operator's (by id, or by a name among the operator's own
-    stores); a request may name only its caller's stores or the policy's.
+    stores); a request may name only its caller's stores or the policy's. When the search or
+    the check of its passages fails or times out, ``policy.on_error`` decides: answer without
+    passages, or refuse (503/504). A client's own mistake (an unknown store) stays a 4xx.
     """
     enabled = policy.enabled if request.enabled is None else request.enabled
     if not enabled or not (request.collections or policy.collections):
@@ -257,8 +271,8 @@ async def retrieval(
     query = last_user_text(messages)
     if not query:
         return []
-    passages: list[Passage] = await call(
-        retriever.retrieve.remote(
+    try:
+        search = retriever.retrieve.remote(
             policy.collections,
             request.collections,
             query,
@@ -266,9 +280,21 @@ async def retrieval(
             policy.min_score,
             caller=caller,
         )
-    )
+        with metrics.stage("retrieval_search"):
+            passages: list[Passage] = await call(within(search, timeout_s, "retrieval"), "retrieval", retry_after_s)
+    except Exception as exc:
+        if isinstance(exc, APIError) and exc.status < 500 and not isinstance(exc, RetryableError):
+            raise
+        _degrade(policy, model_id, "retrieval", exc, retry_after_s)
+        return []
     if passages and guard is not None and guard_policy.enabled:
-        passages = await _checked_passages(guard, model_id, guard_policy, passages)
+        try:
+            with metrics.stage("passage_check"):
+                passages = await _checked_passages(guard, model_id, guard_policy, passages, guardrails_timeout_s)
+        except Exception as exc:
+            # Never unchecked passages: without a verdict they are all left out.
+            _degrade(policy, model_id, "guardrails", exc, retry_after_s)
+            return []
     if not passages:
         return []
     # Canonical order (not score order), so the same passages always render the same
@@ -278,14 +304,41 @@ async def retrieval(
     return passages
 
 
+def stage_failure(stage: str, exc: BaseException, retry_after_s: float | None) -> APIError:
+    """The client's error when a stage deployment failed: its own timeout (504), a full queue
+    (503 with Retry-After), or anything else (503)."""
+    if isinstance(exc, RetryableError):
+        return exc
+    if isinstance(exc, BackPressureError):
+        return overloaded(stage, retry_after_of(exc, retry_after_s))
+    return APIError(
+        503, f"The {stage} service is unavailable; try again shortly.", type=UNAVAILABLE, code=f"{stage}_unavailable"
+    )
+
+
+def _degrade(
+    policy: RetrievalPolicy, model_id: str, stage: str, exc: BaseException, retry_after_s: float | None
+) -> None:
+    """Answer without passages (the policy's ``on_error: answer_without``), or raise."""
+    reason = exc.code if isinstance(exc, APIError) else type(exc).__name__
+    if policy.on_error == "fail":
+        logger.error("%s failed for %s (%s): refusing the request", stage, model_id, reason)
+        raise stage_failure(stage, exc, retry_after_s) from None
+    logger.warning("%s failed for %s (%s): answering without passages", stage, model_id, reason)
+
+
 async def _checked_passages(
-    guard: DeploymentHandle, model_id: str, policy: GuardrailPolicy, passages: list[Passage]
+    guard: DeploymentHandle,
+    model_id: str,
+    policy: GuardrailPolicy,
+    passages: list[Passage],
+    timeout_s: float | None = None,
 ) -> list[Passage]:
     """The same rails on what retrieval found: each passage's text and the filename placed
     beside it. A passage that fails either is dropped (a poisoned document must not take the
     whole conversation down); a redaction is applied."""
     texts = [t for p in passages for t in (p.text, p.filename)]
-    verdicts = await guard.check_passages.remote(model_id, policy, texts)
+    verdicts = await within(guard.check_passages.remote(model_id, policy, texts), timeout_s, "guardrails")
     kept = []
     for i, p in enumerate(passages):
         text_v, name_v = verdicts[2 * i], verdicts[2 * i + 1]

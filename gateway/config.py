@@ -7,14 +7,37 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, Field, ValidationError, field_validator, model_validator
 
-from engines.config import ConfigError, StrictModel, format_validation_error, read_yaml
+from engines.config import ConfigError, StrictModel, check_custom_resources, format_validation_error, read_yaml
 from engines.provision import default_models_dir
+from gateway.limiter_config import LimitsSettings
 from gateway.model_file import ModelFile, load_model_file
-from retrieval.config import ChunkingConfig, EmbeddingModelConfig, IndexConfig
+from retrieval.config import ChunkingConfig, EmbeddingModelConfig, IndexConfig, IngestLimits
+
+
+class StageAutoscaling(StrictModel):
+    """Serve autoscaling of a stage deployment on its own queue (ongoing requests per replica).
+    Replaces ``num_replicas`` when set."""
+
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(1, ge=1)
+    target_ongoing_requests: float = Field(8, gt=0)
+    upscale_delay_s: float = Field(10, ge=0)
+    downscale_delay_s: float = Field(120, ge=0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> StageAutoscaling:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("min_replicas must not exceed max_replicas")
+        return self
+
+
+# Ray custom resources a deployment's replicas need, e.g. {"stages": 0.01} to keep them on
+# the nodes started with that resource (README "Running on a Ray cluster").
+Resources = Annotated[dict[str, float], AfterValidator(check_custom_resources)]
 
 
 class IngressSettings(StrictModel):
@@ -23,7 +46,11 @@ class IngressSettings(StrictModel):
 
     num_replicas: int = Field(1, ge=1)
     max_ongoing_requests: int = Field(512, ge=1)
+    # Requests waiting for a replica past max_ongoing_requests; beyond it Serve's HTTP proxy
+    # answers 503 with Retry-After itself (a plain-text body; see README "Bounds and timeouts").
+    max_queued_requests: int = Field(1024, ge=1)
     num_cpus: float = Field(0.25, ge=0)
+    resources: Resources = Field(default_factory=dict)
 
 
 class AuthSettings(StrictModel):
@@ -45,17 +72,29 @@ class EmbeddingSettings(StrictModel):
     path: str | None = Field(None, description="or: a sentence-transformers folder")
     model: EmbeddingModelConfig = EmbeddingModelConfig()
     num_replicas: int = Field(1, ge=1)
+    # Calls waiting per caller (each input of /v1/embeddings and each chunk being indexed is one);
+    # past it callers get 503 with Retry-After.
+    max_queued_requests: int = Field(4096, ge=1)
     # Ray's CPU accounting is for scheduling: on a 2-core box the engine takes one core,
     # and everything else shares what is left.
     num_cpus: float = Field(0.5, ge=0)
+    autoscaling: StageAutoscaling | None = None
+    resources: Resources = Field(default_factory=dict)
 
 
 class RetrievalSettings(StrictModel):
     """Vector stores: where they live and how documents are indexed."""
 
     enabled: bool = True
+    # On a cluster: a path every Retriever replica's node mounts (NFS, EFS, a ReadWriteMany
+    # volume); replicas take turns writing (a lock file there) and reload after another's write.
     storage_dir: str = Field("../.data/retrieval", description="relative to this file")
+    num_replicas: int = Field(1, ge=1)
+    autoscaling: StageAutoscaling | None = None
+    resources: Resources = Field(default_factory=dict)
     num_cpus: float = Field(0.1, ge=0)
+    max_queued_requests: int = Field(256, ge=1)
+    ingest: IngestLimits = IngestLimits()
     index: IndexConfig = IndexConfig()
     chunking: ChunkingConfig = ChunkingConfig()
 
@@ -70,7 +109,22 @@ class GuardrailSettings(StrictModel):
     embedding: Literal["local", "shared"] = "local"
     local_backend: Literal["onnx-int8", "onnx", "torch"] = Field("onnx-int8", description="the local encoder's runtime")
     num_replicas: int = Field(1, ge=1)
+    autoscaling: StageAutoscaling | None = None
+    resources: Resources = Field(default_factory=dict)
     num_cpus: float = Field(0.1, ge=0)
+    max_queued_requests: int = Field(512, ge=1)
+
+
+class TimeoutSettings(StrictModel):
+    """How long each stage of a request may take. Each ends in an OpenAI error (504, or an error
+    event and ``[DONE]`` once a stream has started), and the stage's call is cancelled."""
+
+    guardrails_s: float = Field(10.0, gt=0, description="input rails, and the check of retrieved passages")
+    retrieval_s: float = Field(10.0, gt=0, description="finding passages for a chat request")
+    # Streaming: until the engine's first chunk. A non-streaming answer is bounded by total_s.
+    first_token_s: float = Field(60.0, gt=0)
+    stream_idle_s: float = Field(30.0, gt=0, description="longest gap between two chunks of a stream")
+    total_s: float = Field(600.0, gt=0, description="the engine call, from the request to its last chunk")
 
 
 # An origin is what browsers send in `Origin`: scheme, host and port, no path or trailing slash.
@@ -125,19 +179,21 @@ class GatewayConfig(StrictModel):
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
-    models: list[str] = Field(..., min_length=1, description="model YAML files, relative to this file")
+    # Model YAML files, relative to this file. Not part of the gateway application's arguments:
+    # each model is its own Serve application (gateway/deploy.py).
+    models: list[str] = Field(default_factory=list, description="model YAML files, relative to this file")
     models_dir: str | None = Field(None, description="prepared models; default $GATEWAY_MODELS_DIR or .models")
     max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024)
-    # Upper bound on one request's wall time, so a stuck engine cannot hold a client forever.
-    request_timeout_s: float = Field(600.0, gt=0)
-    # How often the ingress re-reads the model files for policy changes.
-    policy_reload_interval_s: float = Field(2.0, gt=0)
+    timeouts: TimeoutSettings = TimeoutSettings()
+    # Sent as Retry-After with every overload refusal (a deployment's queue is full).
+    retry_after_s: int = Field(1, ge=0)
     ingress: IngressSettings = IngressSettings()
     auth: AuthSettings = AuthSettings()
     embedding: EmbeddingSettings = EmbeddingSettings()
     retrieval: RetrievalSettings = RetrievalSettings()
     guardrails: GuardrailSettings = GuardrailSettings()
     cors: CorsSettings = CorsSettings()
+    limits: LimitsSettings = LimitsSettings()  # per-key rate limits and budgets (gateway/limits.py)
 
     @model_validator(mode="after")
     def _unique_files(self) -> GatewayConfig:
@@ -206,6 +262,8 @@ def load_config(path: str | Path, **overrides) -> LoadedConfig:
         gateway = GatewayConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(path, exc)) from None
+    if not gateway.models:
+        raise ConfigError(f"{path}: models: list at least one model file")
     model_files = tuple((path.parent / f).resolve() for f in gateway.models)
     models = tuple(load_model_file(f) for f in model_files)
     ids = [m.model_id for m in models]

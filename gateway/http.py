@@ -19,12 +19,14 @@ from starlette.responses import Response
 from gateway.chat_page import PAGE_PATHS, ReplicaCORS
 from gateway.chat_page import router as chat_page_router
 from gateway.errors import NOT_FOUND, APIError, bad_request, error_response, internal_error
+from gateway.limits import RateLimitHeaders, enforce_limits
+from gateway.metrics import ObservedRequests
 
 logger = logging.getLogger(__name__)
 
-# Liveness answers without a key (load balancers and Serve's probes carry none), and so do
-# the chat page's static files (`/` redirects to it): the page sends the user's key itself.
-PUBLIC_PATHS = frozenset({"/health", *PAGE_PATHS})
+# Liveness and readiness answer without a key (load balancers and Serve's probes carry none),
+# and so do the chat page's static files (`/` redirects to it): the page sends the user's key itself.
+PUBLIC_PATHS = frozenset({"/health", "/ready", *PAGE_PATHS})
 
 
 async def authenticate(request: Request) -> None:
@@ -39,15 +41,23 @@ async def authenticate(request: Request) -> None:
 
 
 app = FastAPI(
-    title="LLM gateway", docs_url=None, redoc_url=None, openapi_url=None, dependencies=[Depends(authenticate)]
+    title="LLM gateway",
+    docs_url=None,
+    redoc_url=None,
+    openapi_url=None,
+    # Per-key limits after the key is known; they settle when the response has been sent.
+    dependencies=[Depends(authenticate), Depends(enforce_limits, scope="request")],
 )
 app.add_middleware(ReplicaCORS)
+app.add_middleware(RateLimitHeaders)  # x-ratelimit-* on admitted requests' responses
+app.add_middleware(ObservedRequests)  # outermost: times every request, adds x-gateway-overhead-ms
 app.include_router(chat_page_router)
 
 
 @app.exception_handler(APIError)
 async def _api_error(request: Request, exc: APIError) -> Response:
-    headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+    # 401 asks for a bearer key; 429 and 503 carry Retry-After and x-ratelimit-* (gateway/limits.py).
+    headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else getattr(exc, "headers", None)
     return error_response(exc, headers)
 
 

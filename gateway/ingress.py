@@ -8,9 +8,9 @@ them in order and they never call each other.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -20,16 +20,19 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.responses import Response
 
-from gateway import chat_stages, request_policy
+from gateway import chat_stages, metrics, request_policy
 from gateway.auth import KeyRing, Principal
 from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient
 from gateway.errors import JSONBytesResponse, bad_request, model_not_found
 from gateway.http import app
-from gateway.model_file import ModelFile, ModelPolicy
+from gateway.limits import RequestLimits, meter_of
+from gateway.model_file import ModelPolicy
 from gateway.output_stage import OutputRail, guard_response, refuse_unguardable
-from gateway.policies import PolicyStore
+from gateway.policies import ModelRoute, Routes, build_routes
 from gateway.protocol import parse_chat_request, parse_completion_request, read_json_body, split_extensions
+from gateway.responses_routes import ResponsesRoutes
+from gateway.responses_store import ResponseStore
 from gateway.retrieval_routes import RetrievalRoutes, retrieval_caller
 from guardrails.deployment import ExportedRailMetrics
 
@@ -42,37 +45,44 @@ CONFIG_VERSION_HEADER = "X-Config-Version"
 
 @serve.deployment(name="Gateway")
 @serve.ingress(app)
-class Gateway(RetrievalRoutes):
+class Gateway(RetrievalRoutes, ResponsesRoutes):
     """OpenAI-compatible ingress in front of one ``LLMServer`` deployment per model."""
 
     def __init__(
         self,
-        engines: dict[str, DeploymentHandle],
-        models: list[tuple[Path, ModelFile]],
         settings: GatewayConfig,
         guard: DeploymentHandle | None = None,
         retriever: DeploymentHandle | None = None,
         embedder: DeploymentHandle | None = None,
         keys_file: str | None = None,
+        responses_dir: str | None = None,
+        limiter: DeploymentHandle | None = None,
     ):
         self._settings = settings
-        self._engines = {
-            model_id: EngineClient(handle, first_item_timeout_s=settings.request_timeout_s)
-            for model_id, handle in engines.items()
-        }
-        self._policies = PolicyStore.from_configs({m.model_id: (path, m) for path, m in models})
+        # Per-key limits: read by gateway.limits.enforce_limits, the app's dependency.
+        self.limits = RequestLimits(settings.limits, limiter, self._limited_model, settings.max_request_bytes)
+        # Stored responses (/v1/responses), on disk and owned per principal.
+        self._responses = ResponseStore(Path(responses_dir)) if responses_dir else None
+        # The models and their policies arrive through `reconfigure` (Serve's user_config).
+        self._routes = Routes()
         self._guard = guard
         self._retriever = retriever
         self._embedder = embedder
         self._embedding_model = settings.embedding.model_id if embedder is not None else None
         self._output_metrics = ExportedRailMetrics()
+        self.metrics = metrics.GatewayMetrics()  # published by gateway.metrics.ObservedRequests
+        self._readiness = metrics.Readiness(
+            lambda: metrics.readiness_checks(
+                {m: r.engine for m, r in self._routes.models.items()},
+                guardrails=guard,
+                retrieval=retriever,
+                embeddings=embedder,
+            )
+        )
         # Keys are read here, in the replica, so they never travel through Serve's
         # deployment arguments (which the controller stores and shows in its state).
         self.keys = KeyRing(Path(keys_file) if keys_file else None, settings.auth.api_keys_env)
         self._created = int(time.time())
-        # For /v1/models (chat UIs size their context with it): as deployed, since engine
-        # settings change only on redeploy.
-        self._max_model_len = {m.model_id: m.engine.kwargs.get("max_model_len") for _, m in models}
         self.cors = settings.cors  # read by gateway.chat_page.ReplicaCORS
         if not self.keys.enabled:
             if not settings.loopback and not settings.auth.allow_unauthenticated:
@@ -80,7 +90,25 @@ class Gateway(RetrievalRoutes):
                     f"refusing to serve {settings.host} without API keys (see auth.allow_unauthenticated)"
                 )
             logger.warning("AUTH IS OFF: no API keys configured; every request acts as the local operator")
-        self._reloader = asyncio.get_event_loop().create_task(self._reload_policies())
+
+    def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """Serve pushes the models and their policies here (``gateway apply``), on every replica,
+        without a restart. The new routes replace the old in one assignment: a request that has
+        read its route keeps it to the end."""
+        try:
+            self._routes, changed = build_routes(user_config, self._routes, self._engine_client)
+        except ValueError:
+            if not self._routes.models:
+                raise  # nothing to keep serving
+            logger.exception("keeping the last good model policies")
+            return
+        for model_id in changed:
+            route = self._routes.models.get(model_id)
+            logger.info("model %s: config %s applied", model_id, route.policy.version if route else "removed")
+
+    def _engine_client(self, deployment: str, app: str) -> EngineClient:
+        handle = serve.get_deployment_handle(deployment, app_name=app)
+        return EngineClient(handle, timeouts=self._settings.timeouts, retry_after_s=self._settings.retry_after_s)
 
     # --- the request path ---------------------------------------------------------
 
@@ -96,7 +124,8 @@ class Gateway(RetrievalRoutes):
         # 1. input rails over every text the client wrote: refuse (400 naming the policy) or
         #    redact before anything else sees the text
         if policy.guardrails.enabled and self._guard is not None:
-            if await chat_stages.input_rails(self._guard, chat.model, policy.guardrails, chat_stages.chat_texts(data)):
+            texts = chat_stages.chat_texts(data)
+            if await chat_stages.input_rails(self._guard, chat.model, policy.guardrails, texts, **self._rail_bounds()):
                 chat = parse_chat_request(data)
         # 2. retrieval: passages (checked by the same rails) go into a leading system message
         wanted = chat_stages.RetrievalRequest.parse(extensions.get("retrieval"), policy.retrieval)
@@ -111,6 +140,9 @@ class Gateway(RetrievalRoutes):
                 wanted,
                 chat.messages,
                 retrieval_caller(principal),
+                timeout_s=self._settings.timeouts.retrieval_s,
+                guardrails_timeout_s=self._settings.timeouts.guardrails_s,
+                retry_after_s=self._settings.retry_after_s,
             )
         # Sources name documents: sent (as a header) only if the policy or the request asks,
         # and in the body (an extension field strict clients would not expect) only on request.
@@ -125,6 +157,7 @@ class Gateway(RetrievalRoutes):
             chat,
             event_filter=OutputRail(rails, self._output_metrics, chat=True) if rails else None,
             body_filter=self._body_filter(rails, sources if wanted.return_sources else None, chat=True),
+            meter=meter_of(request),
             headers={
                 CONFIG_VERSION_HEADER: policy.version,
                 # ASCII-only JSON: header values cannot carry raw UTF-8 filenames.
@@ -143,7 +176,8 @@ class Gateway(RetrievalRoutes):
         guardrails = policy.guardrails
         if guardrails.enabled and self._guard is not None:
             slots = chat_stages.completion_texts(data)
-            if await chat_stages.input_rails(self._guard, completion.model, guardrails, slots, param="prompt"):
+            bounds = {"param": "prompt", **self._rail_bounds()}
+            if await chat_stages.input_rails(self._guard, completion.model, guardrails, slots, **bounds):
                 completion = parse_completion_request(data)
         rails = guardrails if guardrails.enabled and guardrails.output.enabled else None
         if rails:
@@ -154,29 +188,55 @@ class Gateway(RetrievalRoutes):
             event_filter=OutputRail(rails, self._output_metrics, chat=False) if rails else None,
             body_filter=self._body_filter(rails, None, chat=False),
             headers={CONFIG_VERSION_HEADER: policy.version},
+            meter=meter_of(request),
         )
 
     @app.get("/v1/models")
     async def list_models(self, request: Request) -> Response:
         principal: Principal = request.state.principal
-        ids = list(self._engines) + ([self._embedding_model] if self._embedding_model else [])
-        cards = [self._model_card(m) for m in ids if principal.may_use(m)]
-        cards += [self._model_card(alias) for alias, m in self._policies.aliases().items() if principal.may_use(m)]
+        routes = self._routes
+        ids = list(routes.models) + ([self._embedding_model] if self._embedding_model else [])
+        cards = [self._model_card(routes, m) for m in ids if principal.may_use(m)]
+        cards += [self._model_card(routes, alias) for alias, m in routes.aliases.items() if principal.may_use(m)]
         return JSONBytesResponse({"object": "list", "data": cards})
 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(self, model_id: str, request: Request) -> Response:
-        target = self._policies.aliases().get(model_id, model_id)
-        known = target in self._engines or target == self._embedding_model
+        routes = self._routes
+        target = routes.aliases.get(model_id, model_id)
+        known = target in routes.models or target == self._embedding_model
         if not known or not request.state.principal.may_use(target):
             raise model_not_found(model_id)
-        return JSONBytesResponse(self._model_card(model_id))
+        return JSONBytesResponse(self._model_card(routes, model_id))
+
+    @app.get("/v1/admin/config")
+    async def effective_config(self, request: Request) -> Response:
+        """The model configs this replica serves with, and when it applied each (admin only)."""
+        request.state.principal.require("admin")
+        context = serve.get_replica_context()
+        return JSONBytesResponse(
+            {"replica": context.replica_id.unique_id, "pid": os.getpid(), "models": self._routes.effective()}
+        )
 
     @app.get("/health")
     async def health(self) -> Response:
-        return JSONBytesResponse({"status": "ok", "models": sorted(self._engines)})
+        return JSONBytesResponse({"status": "ok", "models": sorted(self._routes.models)})
+
+    @app.get("/ready")
+    async def ready(self) -> Response:
+        """Readiness (no key, for load balancers): 200 when each model's engine and each stage
+        answers its health check, else 503 naming the parts that did not."""
+        return await self._readiness.response()
 
     # --- helpers ------------------------------------------------------------------
+
+    def _limited_model(self, name: str) -> tuple[str, int | None] | None:
+        """For the limits: a model name's id and its default max_tokens (None: not served)."""
+        route = self._routes.resolve(name)
+        return (route.model_id, route.policy.requests.defaults.max_tokens) if route is not None else None
+
+    def _rail_bounds(self) -> dict[str, float]:
+        return {"timeout_s": self._settings.timeouts.guardrails_s, "retry_after_s": self._settings.retry_after_s}
 
     def _route(self, data: dict, principal: Principal) -> tuple[EngineClient, ModelPolicy]:
         """The engine and current policy for the request's `model` (an id or an alias, which
@@ -184,12 +244,12 @@ class Gateway(RetrievalRoutes):
         name = data.get("model")
         if not isinstance(name, str) or not name:
             raise bad_request("Missing required parameter: 'model'.", param="model", code="missing_required_parameter")
-        model_id = self._policies.aliases().get(name, name)
-        engine = self._engines.get(model_id)
-        if engine is None or not principal.may_use(model_id):
+        route: ModelRoute | None = self._routes.resolve(name)
+        if route is None or not principal.may_use(route.model_id):
             raise model_not_found(name)
-        data["model"] = model_id
-        return engine, self._policies.get(model_id)
+        data["model"] = route.model_id
+        metrics.note_model(route.model_id)
+        return route.engine, route.policy
 
     def _body_filter(self, rails, sources: list[dict] | None, *, chat: bool):
         if rails is None and sources is None:
@@ -204,17 +264,9 @@ class Gateway(RetrievalRoutes):
 
         return apply
 
-    def _model_card(self, model_id: str) -> dict[str, Any]:
+    def _model_card(self, routes: Routes, model_id: str) -> dict[str, Any]:
         card = {"id": model_id, "object": "model", "created": self._created, "owned_by": "ray-llm-gateway"}
-        max_model_len = self._max_model_len.get(self._policies.aliases().get(model_id, model_id))
-        if max_model_len is not None:
-            card["max_model_len"] = max_model_len  # as vLLM's own /v1/models
+        route = routes.resolve(model_id)
+        if route is not None and route.max_model_len is not None:
+            card["max_model_len"] = route.max_model_len  # as vLLM's own /v1/models
         return card
-
-    async def _reload_policies(self) -> None:
-        while True:
-            await asyncio.sleep(self._settings.policy_reload_interval_s)
-            try:
-                self._policies.refresh()
-            except Exception:  # the reloader must outlive any one bad read
-                logger.exception("policy reload failed")

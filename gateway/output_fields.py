@@ -189,6 +189,7 @@ class ChoiceGuards:
         text released per field and the logprob entries released."""
         released: dict[Key, str] = {}
         needs: list[tuple[StreamGuard, int]] = []
+        finished: set[Key] = set()
         for key, text in texts:
             if not text:
                 released.setdefault(key, "")
@@ -196,8 +197,11 @@ class ChoiceGuards:
             guard = self._guard(key)
             self._pushed[key] += len(text)
             steps = [guard.push(text)]
-            if key[-1] == "name":  # names arrive whole: check and release at once
+            # Names arrive whole, and at the end so does every field: check and release it at once,
+            # in generation order, so a block in a later field does not cut an earlier, finished one.
+            if key[-1] == "name" or final:
                 steps.append(guard.finish())
+                finished.add(key)
             released[key] = released.get(key, "") + "".join(s.text for s in steps)
             needs.append((guard, self._pushed[key]))
             if steps[-1].verdict.blocked:
@@ -209,7 +213,7 @@ class ChoiceGuards:
             self.blocked = self._logprobs.add(logprobs, tuple(needs))
         if final and not self.blocked:
             for key, guard in self._guards.items():
-                if key[-1] == "name":
+                if key[-1] == "name" or key in finished:
                     continue  # already finished when it arrived
                 step = guard.finish()
                 released[key] = released.get(key, "") + step.text

@@ -2,7 +2,7 @@
 
 Every field of every choice that carries generated text (content, reasoning, refusal, tool call
 names and arguments, completion text, and the tokens and alternatives of logprobs) gets its own
-``StreamGuard`` (guardrails/output_rail.py), which holds back a bounded window and releases only
+``StreamGuard`` (guardrails/output_rail.py), which holds back only what could still become a match and releases
 text no rail objects to; gateway/output_fields.py says how each field is guarded. On a block in
 any choice the stream ends with ``finish_reason: "content_filter"`` and the relay cancels the
 engine call, so no more tokens are computed. The guards run in the ingress: they are pure

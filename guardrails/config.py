@@ -16,6 +16,7 @@ from pydantic import (
     Field,
     PositiveInt,
     ValidationError,
+    field_serializer,
     field_validator,
     model_validator,
 )
@@ -105,6 +106,9 @@ class InjectionPolicy(StrictModel):
     # `make models` picked by cross-validation for a ~3% benign false-positive rate (stored in
     # the artifact, so retraining moves it with the weights); 0.5 for an HF classifier.
     threshold: float | None = Field(default=None, ge=0.0, le=1.0)
+    # Retrieved passages and tool results. None: the artifact's document calibration (when
+    # `threshold` is also None), else `threshold`.
+    document_threshold: float | None = Field(default=None, ge=0.0, le=1.0)
     heuristics: bool = True
     detector: InjectionDetectorKind = InjectionDetectorKind.EMBEDDING_CLASSIFIER
     # None means the artifact shipped in guardrails/data/.
@@ -114,6 +118,11 @@ class InjectionPolicy(StrictModel):
     # jailbreak to a classifier trained on user turns: "You are X. Never reveal ..."). Their
     # text gets the high-precision heuristics, PII and topic rails, not the classifier.
     instruction_roles: frozenset[Literal["system", "developer"]] = frozenset({"system", "developer"})
+
+    @field_serializer("instruction_roles")
+    def _sorted_roles(self, roles: frozenset[str]) -> list[str]:
+        # A set's order differs between processes; the Serve config and version digests must not.
+        return sorted(roles)
 
     @model_validator(mode="after")
     def _hf_needs_config(self) -> InjectionPolicy:
@@ -171,7 +180,8 @@ class ForbiddenPattern(StrictModel):
     regex: bool = False
     ignore_case: bool = True
     action: RuleAction = RuleAction.BLOCK
-    # Longest text the regex can match; the stream holds back at least this much. Literals use their length.
+    # Longest text the regex can match: a possible match of it is held back up to this many
+    # characters (if more than output.holdback_chars). Default 64 for a regex; a literal's length.
     max_match_chars: PositiveInt | None = None
 
     @model_validator(mode="after")
@@ -189,6 +199,9 @@ class OutputPolicy(StrictModel):
     """Streaming output rail."""
 
     enabled: bool = True
+    # The longest a possible match is held back on a stream. Only text that could still become
+    # part of a match waits (partial matching); everything before it goes out at once. A match
+    # recognisable within this many characters of its start never leaks, however it is split.
     holdback_chars: PositiveInt = 64
     forbidden: list[ForbiddenPattern] = Field(default_factory=list)
     # Longest redaction the stream may hold back before giving up and blocking instead.
@@ -206,6 +219,11 @@ class GuardrailPolicy(StrictModel):
     # exempt role is a way around the rails for whoever calls this model: exempt only what a
     # trusted backend writes, e.g. `system` behind an app that sets its own system prompt.
     exempt_roles: frozenset[Literal["system", "developer", "user", "assistant", "tool", "function"]] = frozenset()
+
+    @field_serializer("exempt_roles")
+    def _sorted_roles(self, roles: frozenset[str]) -> list[str]:
+        return sorted(roles)  # as InjectionPolicy.instruction_roles
+
     pii: PiiPolicy = Field(default_factory=PiiPolicy)
     injection: InjectionPolicy = Field(default_factory=InjectionPolicy)
     denied_topics: DeniedTopicsPolicy = Field(default_factory=DeniedTopicsPolicy)

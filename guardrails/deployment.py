@@ -22,11 +22,12 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from guardrails.config import GuardrailPolicy, InjectionDetectorKind
-from guardrails.detectors.injection import DEFAULT_ARTIFACT, InjectionClassifier, InjectionScorer, embedding_chunks
+from guardrails.detectors.injection import DEFAULT_ARTIFACT, InjectionScorer, embedding_chunks
+from guardrails.detectors.injection_ensemble import load_scorer
 from guardrails.detectors.topics import TopicMatcher
 from guardrails.embeddings import LocalEmbeddings, RailEmbeddings, SharedEmbeddings
 from guardrails.input_rail import InputGuard
-from guardrails.metrics import RailMetrics
+from guardrails.metrics import ExportedRailMetrics
 from guardrails.verdict import PolicyCode, Verdict
 from retrieval.config import EmbeddingModelConfig
 
@@ -44,11 +45,11 @@ def _check_all(
     guard: InputGuard,
     texts: Sequence[str],
     embeddings: Sequence[np.ndarray | None],
-    flags: Sequence[bool],
+    kinds: Sequence[str],
     deadline: float,
 ) -> list[Verdict]:
     verdicts: list[Verdict] = []
-    for text, embedding, instructions in zip(texts, embeddings, flags):
+    for text, embedding, kind in zip(texts, embeddings, kinds):
         if time.monotonic() > deadline:
             # Past the request's budget: the remaining texts are not checked, so they count
             # as failed rails (blocked unless the policy fails open).
@@ -59,7 +60,10 @@ def _check_all(
                 else Verdict.block("time_budget", PolicyCode.RAIL_ERROR, "the input rails ran out of time")
             )
             return verdicts + [verdict] * (len(texts) - len(verdicts))
-        verdicts.append(guard.check_text(text, embedding, instructions=instructions))
+        guard.metrics.lap()  # each rail's verdict is timed from here (gateway_rail_latency_ms)
+        verdicts.append(
+            guard.check_text(text, embedding, instructions=kind == "instructions", document=kind == "document")
+        )
     return verdicts
 
 
@@ -93,32 +97,6 @@ class VerdictCache:
         return len(self._data)
 
 
-class ExportedRailMetrics(RailMetrics):
-    """RailMetrics that also increments Ray's Prometheus counters
-    (``ray_gateway_guardrail_verdicts_total`` and ``ray_gateway_guardrail_errors_total``)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        from ray.serve.metrics import Counter
-
-        self._verdicts = Counter(
-            "gateway_guardrail_verdicts",
-            description="Guardrail verdicts by rail and outcome.",
-            tag_keys=("rail", "outcome"),
-        )
-        self._errors = Counter(
-            "gateway_guardrail_errors", description="Exceptions raised inside guardrails.", tag_keys=("rail",)
-        )
-
-    def record_verdict(self, verdict: Verdict) -> None:
-        super().record_verdict(verdict)
-        self._verdicts.inc(tags={"rail": verdict.rail, "outcome": verdict.action.value})
-
-    def record_error(self, rail: str) -> None:
-        super().record_error(rail)
-        self._errors.inc(tags={"rail": rail})
-
-
 @dataclass(frozen=True)
 class InputDecision:
     """The input rails' answer for one request.
@@ -146,7 +124,7 @@ class Guardrails:
             LocalEmbeddings(local_encoder) if local_encoder is not None else SharedEmbeddings(embedder)
         )
         self._classifier_path = classifier_path or str(DEFAULT_ARTIFACT)
-        self._classifier = InjectionClassifier.load(self._classifier_path)
+        self._classifier = load_scorer(self._classifier_path)
         self._hf_scorers: dict[str, InjectionScorer] = {}
         self._topics: dict[str, TopicMatcher] = {}
         self._guards: dict[str, tuple[GuardrailPolicy, InputGuard]] = {}
@@ -160,18 +138,21 @@ class Guardrails:
         texts: Sequence[str],
         all_texts: Sequence[str],
         instructions: Sequence[bool] | None = None,
+        documents: Sequence[bool] | None = None,
     ) -> InputDecision:
         """Limits over ``all_texts`` (every text of the request), then PII, injection and
         denied topics on each of ``texts``; ``instructions[i]`` marks a text from an
-        instruction role (heuristics instead of the injection classifier)."""
+        instruction role (heuristics instead of the injection classifier), ``documents[i]``
+        a tool result or client-sent document (the injection rail's document threshold)."""
         deadline = time.monotonic() + policy.limits.time_budget_ms / 1000
         guard = await self._guard_or_error(model_id, policy)
         if isinstance(guard, Verdict):
             return InputDecision(guard, list(texts))
+        guard.metrics.lap()
         limits = guard.check_request(list(all_texts))
         if limits.blocked:
             return InputDecision(limits, list(texts))
-        verdicts = await self._check_each(guard, texts, deadline, instructions=instructions)
+        verdicts = await self._check_each(guard, texts, deadline, instructions=instructions, documents=documents)
         blocked = next((v for v in verdicts if v.blocked), None)
         if blocked is not None:
             return InputDecision(blocked, list(texts))
@@ -186,7 +167,10 @@ class Guardrails:
         guard = await self._guard_or_error(model_id, policy)
         if isinstance(guard, Verdict):
             return [guard] * len(passages)
-        return await self._check_each(guard, passages, deadline, prefix="passage:")
+        return await self._check_each(guard, passages, deadline, documents=[True] * len(passages))
+
+    async def check_health(self) -> None:
+        """Serve's health check, and the ingress's readiness probe: the replica answers."""
 
     def counters(self) -> dict[str, int]:
         """Rail outcome counters, ``rail/outcome`` -> count (for tests and /metrics readers)."""
@@ -199,14 +183,17 @@ class Guardrails:
         guard: InputGuard,
         texts: Sequence[str],
         deadline: float,
-        prefix: str = "",
         instructions: Sequence[bool] | None = None,
+        documents: Sequence[bool] | None = None,
     ) -> list[Verdict]:
         """Verdicts for ``texts``: remembered ones from the cache, the rest computed."""
         if not texts:
             return []
-        flags = list(instructions) if instructions is not None else [False] * len(texts)
-        keys = [VerdictCache.key(("i:" if f else prefix) + guard.cache_version, t) for t, f in zip(texts, flags)]
+        inst = list(instructions) if instructions is not None else [False] * len(texts)
+        docs = list(documents) if documents is not None else [False] * len(texts)
+        # One text is judged differently as instructions, a document or a chat turn.
+        flags = ["instructions" if i else "document" if d else "user" for i, d in zip(inst, docs)]
+        keys = [VerdictCache.key(f"{f[0]}:" + guard.cache_version, t) for t, f in zip(texts, flags)]
         verdicts: list[Verdict | None] = [self._verdicts.get(k) for k in keys]
         todo = [i for i, v in enumerate(verdicts) if v is None]
         if todo:
@@ -217,12 +204,14 @@ class Guardrails:
         return verdicts  # type: ignore[return-value]
 
     async def _compute(
-        self, guard: InputGuard, texts: Sequence[str], flags: list[bool], deadline: float
+        self, guard: InputGuard, texts: Sequence[str], flags: list[str], deadline: float
     ) -> list[Verdict]:
         embeddings: list[np.ndarray | None] = [None] * len(texts)
         if guard.needs_embedding:
             try:
+                started = time.perf_counter()
                 embeddings = await self._embed_chunked(texts)
+                guard.metrics.record_latency("embedding", time.perf_counter() - started)
             except Exception as exc:  # embedding service down: the rails that need it fail closed
                 guard.metrics.record_error("embedding")
                 logger.error("embedding for guardrails failed: %s", type(exc).__name__)
@@ -290,5 +279,5 @@ class Guardrails:
                 self._hf_scorers[path] = await asyncio.to_thread(HfInjectionClassifier, injection.hf)
             return self._hf_scorers[path]
         if injection.classifier_path and injection.classifier_path != self._classifier_path:
-            return InjectionClassifier.load(injection.classifier_path)
+            return load_scorer(injection.classifier_path)
         return self._classifier

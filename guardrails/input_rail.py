@@ -20,6 +20,7 @@ from guardrails.detectors.injection import (
     InjectionScorer,
     heuristic_hits,
 )
+from guardrails.detectors.injection_ensemble import load_scorer
 from guardrails.detectors.limits import check_limits
 from guardrails.detectors.pii import check_pii
 from guardrails.detectors.topics import TopicMatcher
@@ -38,7 +39,7 @@ def build_injection_scorer(policy: InjectionPolicy) -> InjectionScorer | None:
 
         assert policy.hf is not None  # guaranteed by InjectionPolicy validation
         return HfInjectionClassifier(policy.hf)
-    return InjectionClassifier.load(policy.classifier_path or DEFAULT_ARTIFACT)
+    return load_scorer(policy.classifier_path or DEFAULT_ARTIFACT)
 
 
 def run_rail(rail: str, check: Callable[[], Verdict], *, fail_open: bool, metrics: RailMetrics) -> Verdict:
@@ -72,8 +73,14 @@ class InputGuard:
         threshold = inj.threshold
         if threshold is None:
             threshold = injection_scorer.calibrated_threshold if injection_scorer is not None else 0.5
+        # Documents: the policy's document threshold, else the scorer's document calibration
+        # when the policy left both thresholds to the scorer, else the chat threshold.
+        document_threshold = inj.document_threshold
+        if document_threshold is None:
+            calibrated = getattr(injection_scorer, "calibrated_document_threshold", None)
+            document_threshold = calibrated if calibrated is not None and inj.threshold is None else threshold
         self.injection = (
-            InjectionDetector(injection_scorer, threshold, inj.heuristics)
+            InjectionDetector(injection_scorer, threshold, inj.heuristics, document_threshold=document_threshold)
             if inj.enabled and (injection_scorer is not None or inj.heuristics)
             else None
         )
@@ -85,13 +92,14 @@ class InputGuard:
     def runs_model_inline(self) -> bool:
         """Whether `check_text` runs a model itself (an HF classifier), not just regex and dot products."""
         scorer = self.injection.scorer if self.injection else None
-        return scorer is not None and not isinstance(scorer, InjectionClassifier)
+        return scorer is not None and getattr(scorer, "runs_model", not isinstance(scorer, InjectionClassifier))
 
     @property
     def needs_embedding(self) -> bool:
-        """Whether `check_text` needs the text's embedding (embedding classifier or denied topics)."""
+        """Whether `check_text` needs the text's embedding (a MiniLM-based scorer or denied topics)."""
         scorer = self.injection.scorer if self.injection else None
-        return isinstance(scorer, InjectionClassifier) or self.topics is not None
+        uses = getattr(scorer, "uses_embedding", isinstance(scorer, InjectionClassifier))
+        return bool(uses) or self.topics is not None
 
     def check_request(self, messages: Sequence[str]) -> Verdict:
         """Size limits over every message text of the request."""
@@ -99,11 +107,15 @@ class InputGuard:
             return Verdict.allow("limits")
         return self._run("limits", lambda: check_limits(messages, self.policy.limits))
 
-    def check_text(self, text: str, embedding: np.ndarray | None = None, *, instructions: bool = False) -> Verdict:
+    def check_text(
+        self, text: str, embedding: np.ndarray | None = None, *, instructions: bool = False, document: bool = False
+    ) -> Verdict:
         """PII, injection and topics on one text; REDACTED carries the rewritten text.
 
         ``instructions`` marks text from an instruction role (system, developer): the injection
-        rail then runs its heuristics only (see ``InjectionPolicy.instruction_roles``)."""
+        rail then runs its heuristics only (see ``InjectionPolicy.instruction_roles``).
+        ``document`` marks a retrieved passage or tool result: the injection rail uses its
+        document threshold (``InjectionPolicy.document_threshold``)."""
         if not self.policy.enabled:
             return Verdict.allow("guardrails")
         seen: list[Verdict] = []
@@ -114,7 +126,7 @@ class InputGuard:
         if self.injection is not None:
             detector = self.injection
             if not instructions:
-                seen.append(self._run(detector.rail, lambda: detector.check(text, embedding)))
+                seen.append(self._run(detector.rail, lambda: detector.check(text, embedding, document=document)))
             elif detector.use_heuristics:
                 seen.append(self._run(detector.rail, lambda: _heuristics_only(detector.rail, text)))
             if seen and seen[-1].blocked:

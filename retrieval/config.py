@@ -102,6 +102,22 @@ class ChunkingConfig(BaseModel):
         return self
 
 
+class IngestLimits(BaseModel):
+    """Bounds on uploads and on indexing one file, so one client cannot make the single Retriever
+    replica tokenize or embed without end."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_upload_bytes: int = Field(default=64 * 1024 * 1024, ge=1024, description="one uploaded file (413 past it)")
+    max_index_bytes: int = Field(
+        default=4 * 1024 * 1024, ge=1024, description="a file larger than this is not indexed (failed, invalid_file)"
+    )
+    max_chunks_per_file: int = Field(default=8192, ge=1)
+    # Chunks of one file being embedded at once: memory and the Embedder's queue stay bounded.
+    embed_concurrency: int = Field(default=64, ge=1, le=4096)
+    max_files_per_request: int = Field(default=100, ge=1, description="file_ids of one create vector store")
+
+
 class RetrievalPolicy(BaseModel):
     """Whether and how one chat model gets retrieved passages placed into its prompt.
 
@@ -125,6 +141,9 @@ class RetrievalPolicy(BaseModel):
     # off by default, since they name documents; a request may still ask with
     # extra_body.retrieval.return_sources.
     return_sources: bool = False
+    # When retrieval or the check of its passages fails or times out: answer without passages
+    # (logged), or refuse the request (503/504).
+    on_error: Literal["answer_without", "fail"] = "answer_without"
 
     @field_validator("template")
     @classmethod
@@ -175,6 +194,7 @@ class RetrievalConfig(BaseModel):
     embedding: EmbeddingModelConfig = Field(default_factory=EmbeddingModelConfig)
     index: IndexConfig = Field(default_factory=IndexConfig)
     chunking: ChunkingConfig = Field(default_factory=ChunkingConfig)
+    ingest: IngestLimits = Field(default_factory=IngestLimits)
 
     @model_validator(mode="after")
     def _chunks_fit_encoder(self) -> RetrievalConfig:

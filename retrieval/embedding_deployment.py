@@ -261,6 +261,9 @@ class Embedder:
             config.max_batch_tokens if size_fn else "unbounded",
         )
 
+    async def check_health(self) -> None:
+        """Serve's health check, and the ingress's readiness probe: the replica answers."""
+
     async def embed(self, text: str, *, truncate: bool | None = None, index: int = 0) -> np.ndarray:
         """The float32 vector (dimension,) of one text, L2-normalised.
 

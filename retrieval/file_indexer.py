@@ -20,7 +20,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
 from retrieval import openai_objects as oai
 from retrieval.collection import Collection
-from retrieval.config import ChunkingConfig
+from retrieval.config import ChunkingConfig, IngestLimits
 from retrieval.encoder import DocumentTokenizer
 from retrieval.errors import DocumentExistsError, DocumentNotFoundError
 from retrieval.files import FileStore
@@ -48,11 +48,13 @@ class FileIndexer:
         files: FileStore,
         failed: FailedFiles,
         tokenizer: DocumentTokenizer,
+        limits: IngestLimits | None = None,
     ) -> None:
         self._embedder = embedder
         self._files = files
         self._failed = failed
         self._tokenizer = tokenizer
+        self._limits = limits or IngestLimits()
         # (store id, file id) pairs being ingested: a second add of the same pair is a 409.
         self._ingesting: set[tuple[str, str]] = set()
 
@@ -77,7 +79,7 @@ class FileIndexer:
             except IngestFailure as failure:
                 return await self._fail(coll, file_id, attributes, chunking, failure)
             try:
-                rows = await gather_responses([self._embedder.embed_tokens.remote(p.ids) for p in pieces])
+                rows = await self._embed(pieces)
             except Exception:
                 logger.exception("embedding %s for %s failed", file_id, coll.id)
                 failure = IngestFailure("server_error", "embedding the file failed; add it again")
@@ -104,8 +106,30 @@ class FileIndexer:
             self._ingesting.discard(key)
 
     def _prepare(self, file_id: str, chunking: ChunkingConfig) -> list[ChunkTokens]:
+        limits = self._limits
+        # Checked before reading: the tokenizer never sees more than max_index_bytes.
+        size = self._files.get(file_id).bytes
+        if size > limits.max_index_bytes:
+            raise IngestFailure(
+                "invalid_file", f"the file has {size} bytes; at most {limits.max_index_bytes} are indexed"
+            )
         text = decode_document(self._files.read(file_id))
-        return split_document(text, chunking, self._tokenizer)
+        pieces = split_document(text, chunking, self._tokenizer)
+        if len(pieces) > limits.max_chunks_per_file:
+            raise IngestFailure(
+                "invalid_file", f"the file makes {len(pieces)} chunks; at most {limits.max_chunks_per_file} are indexed"
+            )
+        return pieces
+
+    async def _embed(self, pieces: list[ChunkTokens]) -> list[np.ndarray]:
+        """Every chunk's vector, with at most ``embed_concurrency`` calls in flight: the
+        Embedder still batches them, and its queue stays bounded whatever the file."""
+        step = self._limits.embed_concurrency
+        rows: list[np.ndarray] = []
+        for start in range(0, len(pieces), step):
+            batch = pieces[start : start + step]
+            rows += await gather_responses([self._embedder.embed_tokens.remote(p.ids) for p in batch])
+        return rows
 
     async def _fail(
         self,

@@ -63,7 +63,7 @@ class StoredFile(BaseModel):
 class FileStore:
     """Saves, lists, reads and deletes uploaded files; all objects are kept in memory."""
 
-    def __init__(self, root: Path, *, max_bytes: int = 64 * 1024 * 1024) -> None:
+    def __init__(self, root: Path, *, max_bytes: int = 64 * 1024 * 1024, collect_garbage: bool = True) -> None:
         self.root = Path(root)
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
@@ -71,13 +71,28 @@ class FileStore:
         self.root.mkdir(parents=True, exist_ok=True)
         for entry in self.root.iterdir():
             if TMP_MARKER in entry.name:
-                entry.unlink(missing_ok=True)
+                if collect_garbage:  # on shared storage, only under the write lock
+                    entry.unlink(missing_ok=True)
             elif entry.suffix == ".json":
                 stored = StoredFile.model_validate_json(entry.read_bytes())
                 self._files[stored.id] = stored
-        for entry in self.root.glob("*.bin"):
-            if entry.stem not in self._files:
-                entry.unlink(missing_ok=True)
+        if collect_garbage:
+            for entry in self.root.glob("*.bin"):
+                if entry.stem not in self._files:
+                    entry.unlink(missing_ok=True)
+
+    def refresh(self) -> None:
+        """Catch up with other processes writing under ``root``: files they stored or deleted
+        (a file never changes once stored). Collects no garbage."""
+        on_disk = {e.stem: e for e in self.root.glob("*.json") if TMP_MARKER not in e.name}
+        with self._lock:
+            known = set(self._files)
+        new = [StoredFile.model_validate_json(on_disk[f].read_bytes()) for f in on_disk.keys() - known]
+        with self._lock:
+            for file_id in known - on_disk.keys():
+                self._files.pop(file_id, None)
+            for stored in new:
+                self._files[stored.id] = stored
 
     def create(
         self,

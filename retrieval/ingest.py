@@ -134,12 +134,19 @@ class FailedFiles:
         self.path = Path(path)
         self._lock = threading.Lock()
         self._stores: dict[str, dict[str, FailedFile]] = {}
+        self.reload()
+
+    def reload(self) -> None:
+        """Read the file again (another process sharing it may have rewritten it)."""
+        stores: dict[str, dict[str, FailedFile]] = {}
         if self.path.exists():
             try:
                 raw = json.loads(self.path.read_bytes())
-                self._stores = {store: {f["file_id"]: FailedFile(**f) for f in files} for store, files in raw.items()}
+                stores = {store: {f["file_id"]: FailedFile(**f) for f in files} for store, files in raw.items()}
             except (OSError, ValueError, TypeError, KeyError) as exc:
                 raise StorageCorruptError(f"{self.path}: {exc}") from exc
+        with self._lock:
+            self._stores = stores
 
     def add(self, store_id: str, failed: FailedFile) -> None:
         with self._lock:

@@ -163,6 +163,15 @@ class CollectionDir:
         if index_bytes is not None:
             self._remove_index_files(keep=manifest["index_file"])
 
+    def manifest_signature(self) -> tuple[int, ...] | None:
+        """Identifies the committed manifest file: every commit renames a new file over it (a new
+        inode), so a changed signature means another commit. None if there is none."""
+        try:
+            st = os.stat(self.path / MANIFEST_NAME)
+        except FileNotFoundError:
+            return None
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
+
     def load(self) -> tuple[CollectionManifest, faiss.Index]:
         """Read the committed manifest and its index."""
         try:

@@ -20,6 +20,11 @@ _RANKERS = {"none", "auto", "default-2024-11-15"}
 _FILE_STATUSES = {"in_progress", "completed", "failed", "cancelled"}
 MAX_SEARCH_RESULTS = 50
 MAX_SEARCH_QUERIES = 16
+# Attribute filters: how deep compound filters nest, how many filters in all, and how many
+# values one `in`/`nin` lists. Each is evaluated per document at every search.
+MAX_FILTER_DEPTH = 8
+MAX_FILTER_NODES = 64
+MAX_FILTER_VALUES = 256
 
 
 def check_purpose(purpose: str | None, *, optional: bool = False) -> None:
@@ -36,9 +41,11 @@ def check_file_status_filter(filter: str | None) -> None:
         raise InvalidInputError(f"filter must be one of {sorted(_FILE_STATUSES)}", param="filter")
 
 
-def string_list(value: object, param: str) -> list[str]:
+def string_list(value: object, param: str, *, max_items: int | None = None) -> list[str]:
     if isinstance(value, str) or not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
         raise InvalidInputError(f"{param} must be a list of strings", param=param)
+    if max_items is not None and len(value) > max_items:
+        raise InvalidInputError(f"{param} may list at most {max_items} items", param=param)
     return list(value)
 
 
@@ -68,10 +75,32 @@ def check_max_num_results(max_num_results: object) -> None:
 def parse_filter(filters: dict | None) -> AttributeFilter | None:
     if filters is None:
         return None
+    _check_filter_size(filters)
     try:
         return _FILTER.validate_python(filters)
     except ValidationError as exc:
         raise InvalidInputError(f"invalid filters: {exc.errors()[0]['msg']}", param="filters") from exc
+
+
+def _check_filter_size(filters: object) -> None:
+    """Refuse filters past the bounds before pydantic walks them (recursively)."""
+    nodes, stack = 0, [(filters, 1)]
+    while stack:
+        node, depth = stack.pop()
+        nodes += 1
+        if depth > MAX_FILTER_DEPTH or nodes > MAX_FILTER_NODES:
+            raise InvalidInputError(
+                f"filters may nest {MAX_FILTER_DEPTH} deep and hold {MAX_FILTER_NODES} filters in all",
+                param="filters",
+            )
+        if not isinstance(node, dict):
+            continue
+        value = node.get("value")
+        if isinstance(value, list) and len(value) > MAX_FILTER_VALUES:
+            raise InvalidInputError(f"a filter may list at most {MAX_FILTER_VALUES} values", param="filters")
+        children = node.get("filters")
+        if isinstance(children, list):
+            stack.extend((child, depth + 1) for child in children)
 
 
 def score_threshold(ranking_options: dict | None) -> float | None:

@@ -22,6 +22,7 @@ whoever owns them, or by name among the operator's stores only. Those lookup rul
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,14 @@ from retrieval.request_args import (
     search_queries,
     string_list,
 )
+from retrieval.shared_storage import (
+    COLLECTION_WRITES,
+    FAILED_WRITES,
+    FILE_WRITES,
+    STORE_WRITES,
+    SharedStorage,
+    WriteLocked,
+)
 from retrieval.store import CollectionStore
 from retrieval.store_resolution import owned_store, policy_stores, requested_store
 from retrieval.tenancy import Caller, owner_of
@@ -55,9 +64,19 @@ from retrieval.tenancy import Caller, owner_of
 logger = logging.getLogger(__name__)
 
 
-# One replica, always: the stores keep their state in memory and commit it to files that only
-# this process writes. A second replica would load its own copy, miss the first one's writes
-# and overwrite its manifests. Scale the Embedder instead; searches here take milliseconds.
+def _current(method):
+    """Run a public method on this replica's state caught up with other replicas' writes."""
+
+    @functools.wraps(method)
+    async def caught_up(self: Retriever, *args: Any, **kwargs: Any) -> Any:
+        await asyncio.to_thread(self._shared.sync)
+        return await method(self, *args, **kwargs)
+
+    return caught_up
+
+
+# Any number of replicas, on any nodes that mount storage_dir: they take turns writing and
+# reload after each other's writes (retrieval.shared_storage).
 @serve.deployment(name="Retriever", num_replicas=1, max_ongoing_requests=64)
 class Retriever:
     """Vector stores, uploaded files and search, on disk under ``config.storage_dir``."""
@@ -73,24 +92,47 @@ class Retriever:
                 f"what the embedding model takes ({self._chunk_limit} + special tokens)"
             )
         root = Path(config.storage_dir)
+        self._shared = SharedStorage(root)
 
         def open_storage() -> tuple:
             # The Embedder's tokenizer (same folder), so chunk token counts are the model's.
             tokenizer = DocumentTokenizer(info["model_path"])
-            stores = CollectionStore(
-                root / "vector_stores",
-                dimension=info["dimension"],
-                default_index=config.index,
-                unique_names=False,  # OpenAI allows duplicate names; see CollectionStore
+            # Exclusive: no other replica is mid-write, so leftovers are a crash's and go.
+            with self._shared.exclusive():
+                stores = CollectionStore(
+                    root / "vector_stores",
+                    dimension=info["dimension"],
+                    default_index=config.index,
+                    unique_names=False,  # OpenAI allows duplicate names; see CollectionStore
+                )
+                files = FileStore(root / "files", max_bytes=config.ingest.max_upload_bytes)
+                failed = FailedFiles(root / "failed.json")
+                self._shared.mark_current()
+
+            def reload() -> None:
+                stores.refresh()
+                files.refresh()
+                failed.reload()
+
+            self._shared.set_reload(reload)
+            # Their writes take the storage's write lock (the Retriever's own and FileIndexer's).
+            return (
+                tokenizer,
+                WriteLocked(stores, self._shared, STORE_WRITES),
+                WriteLocked(files, self._shared, FILE_WRITES),
+                WriteLocked(failed, self._shared, FAILED_WRITES),
             )
-            return tokenizer, stores, FileStore(root / "files"), FailedFiles(root / "failed.json")
 
         tokenizer, self._stores, self._files, self._failed = await asyncio.to_thread(open_storage)
-        self._indexer = FileIndexer(embedder, self._files, self._failed, tokenizer)
+        self._indexer = FileIndexer(embedder, self._files, self._failed, tokenizer, config.ingest)
         logger.info("retriever ready: %s, embedding model %s", root, info["model"])
+
+    async def check_health(self) -> None:
+        """Serve's health check, and the ingress's readiness probe: the replica answers."""
 
     # --- vector stores ------------------------------------------------------------------
 
+    @_current
     async def create_store(
         self,
         name: str | None = None,
@@ -103,14 +145,17 @@ class Retriever:
         """Create a vector store owned by ``caller`` and index ``file_ids`` (the caller's own
         files) into it before answering."""
         owner = owner_of(caller)
-        file_ids = string_list(file_ids or [], "file_ids")
+        file_ids = string_list(file_ids or [], "file_ids", max_items=self._config.ingest.max_files_per_request)
         # 404 before creating
         uploads = [self._files.get(f, owner=owner) for f in dict.fromkeys(file_ids)]
         chunking = self._chunking(chunking_strategy)
         coll = await asyncio.to_thread(self._stores.create, name, metadata=metadata, owner=owner)
-        await asyncio.gather(*(self._indexer.index(coll, u.id, u.filename, {}, chunking) for u in uploads))
+        await asyncio.gather(
+            *(self._indexer.index(self._locked(coll), u.id, u.filename, {}, chunking) for u in uploads)
+        )
         return self._store_object(coll)
 
+    @_current
     async def list_stores(
         self,
         limit: int = 20,
@@ -132,9 +177,11 @@ class Retriever:
             before=before,
         )
 
+    @_current
     async def get_store(self, store_id: str, *, caller: Caller) -> dict[str, Any]:
         return self._store_object(owned_store(self._stores, store_id, caller))
 
+    @_current
     async def modify_store(
         self,
         store_id: str,
@@ -147,14 +194,21 @@ class Retriever:
         info = await asyncio.to_thread(self._stores.update, coll.id, name=name, metadata=metadata)
         return oai.vector_store(info, self._failed.count(coll.id))
 
+    @_current
     async def delete_store(self, store_id: str, *, caller: Caller) -> dict[str, Any]:
         coll = owned_store(self._stores, store_id, caller)
-        await asyncio.to_thread(self._stores.delete, coll.id)
-        await asyncio.to_thread(self._failed.discard_store, coll.id)
+
+        def delete() -> None:
+            with self._shared.write():
+                self._stores.delete(coll.id)
+                self._failed.discard_store(coll.id)
+
+        await asyncio.to_thread(delete)
         return oai.deleted("vector_store.deleted", coll.id)
 
     # --- files --------------------------------------------------------------------------
 
+    @_current
     async def create_file(
         self, filename: str, content: bytes, purpose: str = "assistants", *, caller: Caller
     ) -> dict[str, Any]:
@@ -165,6 +219,7 @@ class Retriever:
         stored = await asyncio.to_thread(self._files.create, filename, bytes(content), purpose, owner=owner)
         return oai.file_object(stored)
 
+    @_current
     async def list_files(
         self,
         purpose: str | None = None,
@@ -187,12 +242,15 @@ class Retriever:
             max_limit=10000,
         )
 
+    @_current
     async def get_file(self, file_id: str, *, caller: Caller) -> dict[str, Any]:
         return oai.file_object(self._files.get(file_id, owner=owner_of(caller)))
 
+    @_current
     async def get_file_content(self, file_id: str, *, caller: Caller) -> bytes:
         return await asyncio.to_thread(self._files.read, file_id, owner=owner_of(caller))
 
+    @_current
     async def delete_file(self, file_id: str, *, caller: Caller) -> dict[str, Any]:
         """Delete an upload and remove it from every vector store that indexed it: the
         caller's own stores, the only ones a file of theirs can be added to."""
@@ -200,19 +258,21 @@ class Retriever:
         self._files.get(file_id, owner=owner)
 
         def remove_everywhere() -> None:
-            for store_id in self._stores.ids(owner=owner):
-                try:
-                    self._stores.get_by_id(store_id, owner=owner).delete_document(file_id)
-                except (CollectionNotFoundError, DocumentNotFoundError):
-                    pass
-            self._failed.discard_file(file_id)
-            self._files.delete(file_id)
+            with self._shared.write():
+                for store_id in self._stores.ids(owner=owner):
+                    try:
+                        self._stores.get_by_id(store_id, owner=owner).delete_document(file_id)
+                    except (CollectionNotFoundError, DocumentNotFoundError):
+                        pass
+                self._failed.discard_file(file_id)
+                self._files.delete(file_id)
 
         await asyncio.to_thread(remove_everywhere)
         return oai.deleted("file", file_id)
 
     # --- vector store files -------------------------------------------------------------
 
+    @_current
     async def add_file_to_store(
         self,
         store_id: str,
@@ -228,8 +288,9 @@ class Retriever:
         upload = self._files.get(file_id, owner=owner_of(caller))
         attrs = validate_attributes(attributes)
         chunking = self._chunking(chunking_strategy)
-        return await self._indexer.index(coll, upload.id, upload.filename, attrs, chunking)
+        return await self._indexer.index(self._locked(coll), upload.id, upload.filename, attrs, chunking)
 
+    @_current
     async def list_store_files(
         self,
         store_id: str,
@@ -257,6 +318,7 @@ class Retriever:
             before=before,
         )
 
+    @_current
     async def get_store_file(self, store_id: str, file_id: str, *, caller: Caller) -> dict[str, Any]:
         coll = owned_store(self._stores, store_id, caller)
         failed = self._failed.get(coll.id, file_id)
@@ -264,14 +326,16 @@ class Retriever:
             return oai.failed_vector_store_file(coll.id, failed)
         return oai.vector_store_file(coll.id, coll.get_document(file_id))
 
+    @_current
     async def update_store_file(
         self, store_id: str, file_id: str, attributes: dict | None, *, caller: Caller
     ) -> dict[str, Any]:
         """Replace an indexed file's attributes."""
         coll = owned_store(self._stores, store_id, caller)
-        doc = await asyncio.to_thread(coll.update_attributes, file_id, attributes)
+        doc = await asyncio.to_thread(self._locked(coll).update_attributes, file_id, attributes)
         return oai.vector_store_file(coll.id, doc)
 
+    @_current
     async def get_store_file_content(self, store_id: str, file_id: str, *, caller: Caller) -> dict[str, Any]:
         """The file's chunks, in order (``vector_store.file_content.page``)."""
         coll = owned_store(self._stores, store_id, caller)
@@ -279,15 +343,17 @@ class Retriever:
             return oai.file_content_page([])
         return oai.file_content_page(coll.document_chunks(file_id))
 
+    @_current
     async def delete_store_file(self, store_id: str, file_id: str, *, caller: Caller) -> dict[str, Any]:
         """Remove a file from a store (its chunks leave search); the upload itself stays."""
         coll = owned_store(self._stores, store_id, caller)
         if not await asyncio.to_thread(self._failed.discard, coll.id, file_id):
-            await asyncio.to_thread(coll.delete_document, file_id)
+            await asyncio.to_thread(self._locked(coll).delete_document, file_id)
         return oai.deleted("vector_store.file.deleted", file_id)
 
     # --- search -------------------------------------------------------------------------
 
+    @_current
     async def search(
         self,
         store_id: str,
@@ -325,6 +391,7 @@ class Retriever:
         hits = await asyncio.to_thread(run)
         return oai.search_results_page(queries, hits)
 
+    @_current
     async def retrieve(
         self,
         policy_collections: list[str],
@@ -389,6 +456,10 @@ class Retriever:
         return await asyncio.to_thread(run)
 
     # --- helpers ------------------------------------------------------------------------
+
+    def _locked(self, coll: Collection) -> Collection:
+        """``coll`` with its writes under the storage's write lock."""
+        return WriteLocked(coll, self._shared, COLLECTION_WRITES)  # type: ignore[return-value]
 
     def _store_object(self, coll: Collection) -> dict[str, Any]:
         return oai.vector_store(coll.info(), self._failed.count(coll.id))

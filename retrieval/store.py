@@ -57,6 +57,7 @@ class CollectionStore:
         dimension: int,
         default_index: IndexConfig | None = None,
         unique_names: bool = True,
+        collect_garbage: bool = True,
     ) -> None:
         self.root = Path(root)
         self.dimension = dimension
@@ -68,19 +69,42 @@ class CollectionStore:
         loaded = []
         for entry in sorted(self.root.iterdir()):
             if entry.name.startswith((TMP_MARKER, _TRASH_MARKER)):
-                logger.info("removing leftover %s", entry)
-                shutil.rmtree(entry, ignore_errors=True)
+                # On shared storage another writer's work in progress looks the same: only a
+                # process holding the write lock collects (retrieval.shared_storage).
+                if collect_garbage:
+                    logger.info("removing leftover %s", entry)
+                    shutil.rmtree(entry, ignore_errors=True)
             elif entry.is_dir():
-                coll = Collection.load(entry)
-                if coll.dimension != dimension:
-                    raise StorageCorruptError(
-                        f"{entry}: collection has dimension {coll.dimension}, the store {dimension}"
-                    )
-                loaded.append(coll)
+                loaded.append(self._load(entry, collect_garbage))
         # Oldest first, as if created in this process: name lookups prefer the latest.
         for coll in sorted(loaded, key=lambda c: (c.created_at, c.id)):
             self._collections[coll.id] = coll
         logger.info("opened collection store %s: %d collection(s)", self.root, len(self._collections))
+
+    def _load(self, entry: Path, collect_garbage: bool) -> Collection:
+        coll = Collection.load(entry, collect_garbage=collect_garbage)
+        if coll.dimension != self.dimension:
+            raise StorageCorruptError(f"{entry}: collection has dimension {coll.dimension}, the store {self.dimension}")
+        return coll
+
+    def refresh(self) -> None:
+        """Catch up with other processes writing under ``root`` (several Retriever replicas on
+        shared storage): collections they created or deleted, and their commits (reloaded in
+        place, see ``Collection.refresh``). Collects no garbage."""
+        on_disk = {
+            e.name: e for e in self.root.iterdir() if e.is_dir() and not e.name.startswith((TMP_MARKER, _TRASH_MARKER))
+        }
+        with self._lock:
+            known = dict(self._collections)
+        new = [self._load(on_disk[cid], collect_garbage=False) for cid in on_disk.keys() - known.keys()]
+        for cid, coll in known.items():
+            if cid in on_disk:
+                coll.refresh()
+        with self._lock:
+            for cid in known.keys() - on_disk.keys():
+                self._collections.pop(cid, None)
+            for coll in sorted(new, key=lambda c: (c.created_at, c.id)):
+                self._collections[coll.id] = coll
 
     def create(
         self,

@@ -58,12 +58,21 @@ def ray_session():
     os.environ[API_KEYS_ENV] = f"operator={API_KEY}"
     for key in _DRIVER_ONLY_ENV:
         os.environ.pop(key, None)
-    ray.init(include_dashboard=False, num_cpus=4, logging_level="WARNING")
+    # The dashboard carries Serve's REST API, which `gateway apply` (the production path) uses.
+    dashboard_port = free_port()
+    ray.init(
+        include_dashboard=True,
+        dashboard_host="127.0.0.1",
+        dashboard_port=dashboard_port,
+        num_cpus=4,
+        logging_level="WARNING",
+    )
     from ray import serve
 
     # Start Serve on a free port before any test deploys (serve.run would pick 8000).
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
+    os.environ["RAY_DASHBOARD_ADDRESS"] = f"http://127.0.0.1:{dashboard_port}"
     yield port
     from ray import serve
 
@@ -104,54 +113,70 @@ def tenant_keys(tmp_path_factory) -> dict:
     return {"path": path, "keys": keys}
 
 
+SCRIPTED_ENGINE = "engines.scripted_engine:ScriptedEngine"
+
+
+class FastGateway:
+    """The fast tier's gateway config (a copy tests may edit) and how to apply it, exactly as
+    `python -m gateway apply` does: through Serve's REST API."""
+
+    def __init__(self, configs: Path, port: int, overrides: dict):
+        self.configs = configs
+        self.port = port
+        self.overrides = overrides
+
+    def load(self):
+        from gateway.config import load_config
+
+        return load_config(self.configs / "gateway.yaml", port=self.port, **self.overrides)
+
+    def apply(self):
+        """Apply the files as they are now; returns the plan. Raises ConfigError if invalid."""
+        from gateway.deploy import apply
+
+        return apply(self.load(), engine_cls=SCRIPTED_ENGINE, timeout_s=600)
+
+
 @pytest.fixture(scope="session")
-def gateway_url(ray_session, recorder, tenant_keys, tmp_path_factory) -> str:
-    """Base URL of the fast-tier gateway (scripted engine, real Serve app)."""
-    from ray import serve
-
-    from engines.scripted_engine import ScriptedEngine
-    from gateway.app import build_gateway
-    from gateway.config import load_config
-
+def fast_gateway(ray_session, recorder, tenant_keys, tmp_path_factory) -> FastGateway:
     port = ray_session
     storage = tmp_path_factory.mktemp("retrieval")
-    # A copy, so tests can edit model files to exercise live policy reloads.
+    # A copy, so tests can edit model files and apply them to the running gateway.
     configs = tmp_path_factory.mktemp("configs")
     for f in FIXTURES.glob("*.yaml"):
         (configs / f.name).write_text(f.read_text())
-    config = load_config(
-        configs / "gateway.yaml",
-        port=port,
-        auth={"api_keys_env": API_KEYS_ENV, "keys_file": str(tenant_keys["path"])},
-        retrieval={"storage_dir": str(storage)},
-    )
-    serve.run(build_gateway(config, engine_cls=ScriptedEngine), name="gateway", route_prefix="/")
-    url = f"http://127.0.0.1:{port}"
-    url_config_dir[url] = configs
-    return url
+    overrides = {
+        "auth": {"api_keys_env": API_KEYS_ENV, "keys_file": str(tenant_keys["path"])},
+        "retrieval": {"storage_dir": str(storage)},
+    }
+    gateway = FastGateway(configs, port, overrides)
+    gateway.apply()
+    return gateway
 
 
-# Where each running fast-tier gateway reads its (editable) model files.
-url_config_dir: dict[str, Path] = {}
+@pytest.fixture(scope="session")
+def gateway_url(fast_gateway) -> str:
+    """Base URL of the fast-tier gateway (scripted engine, real Serve apps)."""
+    return f"http://127.0.0.1:{fast_gateway.port}"
 
 
 @pytest.fixture
-def model_file(gateway_url):
-    """Edit a fast-tier model file for one test; the original comes back afterwards."""
-    import time
-
+def model_file(fast_gateway):
+    """Edit a fast-tier model file and apply it (``gateway apply``); the original comes back
+    (and is applied) afterwards. Raises ConfigError, changing nothing, if the edit is invalid."""
     edited: dict[Path, str] = {}
 
-    def edit(name: str, text: str) -> None:
-        path = url_config_dir[gateway_url] / name
+    def edit(name: str, text: str):
+        path = fast_gateway.configs / name
         edited.setdefault(path, path.read_text())
         path.write_text(text)
-        time.sleep(0.6)  # the ingress re-reads model files every 0.2 s in the fast tier
+        return fast_gateway.apply()
 
     yield edit
     for path, text in edited.items():
         path.write_text(text)
-    time.sleep(0.6)
+    if edited:
+        fast_gateway.apply()
 
 
 @pytest.fixture

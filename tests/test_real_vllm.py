@@ -49,6 +49,8 @@ class GatewayProcess:
     def __init__(self, workdir: Path):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.dashboard_port = free_port()
+        self.dashboard = f"http://127.0.0.1:{self.dashboard_port}"
         self.model_file = workdir / Path(MODEL_FILE).name
         self.model_file.write_text((ROOT / MODEL_FILE).read_text())
         self.keys_file = workdir / "keys.yaml"
@@ -81,7 +83,10 @@ class GatewayProcess:
         self.log = open(self.log_path, "a")
         offset = self.log_path.stat().st_size
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway", "run", "--config", str(self.config), "--port", str(self.port)],
+            [
+                *(sys.executable, "-m", "gateway", "run", "--config", str(self.config)),
+                *("--port", str(self.port), "--dashboard-port", str(self.dashboard_port)),
+            ],
             cwd=ROOT,
             stdout=self.log,
             stderr=subprocess.STDOUT,
@@ -98,6 +103,23 @@ class GatewayProcess:
                 if b"gateway ready" in f.read():
                     return
             time.sleep(2)
+
+    def apply(self) -> str:
+        """`python -m gateway apply` against this gateway, as an operator runs it; its output."""
+        env = {k: v for k, v in os.environ.items() if k not in _DRIVER_ONLY_ENV}
+        done = subprocess.run(
+            [
+                *(sys.executable, "-m", "gateway", "apply", "--config", str(self.config)),
+                *("--port", str(self.port), "--address", self.dashboard),
+            ],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGINT)
@@ -246,20 +268,15 @@ def test_a_chat_ui_request_gets_a_short_sensible_answer(gateway_process, client)
     policy["requests"]["defaults"]["max_tokens"] = 3
     replace_file(gateway_process.model_file, yaml.safe_dump(policy, sort_keys=False))
     try:
-        wait_until(
-            lambda: client.chat.completions.create(model=MODEL, messages=question).usage.completion_tokens == 3,
-            60,
-            "the new default",
-        )
+        out = gateway_process.apply()
+        assert f"model {MODEL}: policy tier" in out and "requests.defaults.max_tokens" in out, out
+        # apply returns once Serve has pushed it: the very next request has the new default.
         reply = client.chat.completions.create(model=MODEL, messages=question)
         assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 3
     finally:
         replace_file(gateway_process.model_file, original)
-        wait_until(
-            lambda: client.chat.completions.create(model=MODEL, messages=question).usage.completion_tokens > 3,
-            60,
-            "the old default",
-        )
+        gateway_process.apply()
+    assert client.chat.completions.create(model=MODEL, messages=question).usage.completion_tokens > 3
 
 
 FACT_DOC = (
@@ -374,16 +391,14 @@ def paris_forbidden(gateway_process, client):
     policy["guardrails"]["output"]["forbidden"] = [{"pattern": "Paris"}]
     replace_file(gateway_process.model_file, yaml.safe_dump(policy, sort_keys=False))
     try:
-        wait_until(
-            lambda: (c := ask_capital(client)).finish_reason == "content_filter" and "Paris" not in c.message.content,
-            60,
-            "the gateway to apply the Paris rail",
-            interval_s=1,
-        )
+        gateway_process.apply()
+        c = ask_capital(client)
+        assert c.finish_reason == "content_filter" and "Paris" not in c.message.content, c
         yield
     finally:
         replace_file(gateway_process.model_file, original)
-        wait_until(lambda: "Paris" in ask_capital(client).message.content, 60, "Paris to come back", interval_s=1)
+        gateway_process.apply()
+    assert "Paris" in ask_capital(client).message.content
 
 
 def leaks(choices: list[dict]) -> list[str]:
@@ -567,3 +582,53 @@ def test_vector_stores_survive_a_full_restart(gateway_process, client, operator_
     after = fresh.vector_stores.search(vector_store_id=store.id, query="sleeping otters").model_dump()
     assert after == before and after["data"][0]["filename"] == "a.md"
     assert fresh.vector_stores.retrieve(store.id).file_counts.completed == 2
+
+
+def test_the_request_id_reaches_vllm(real_gateway, operator_key):
+    """The caller's X-Request-Id is vLLM's request id: vLLM names its completion after it
+    (``chatcmpl-<id>``, streamed and not), and the gateway echoes it with its overhead."""
+    headers = {"Authorization": f"Bearer {operator_key}"}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4}
+    rid = f"real-{new_key()[-12:]}"
+    whole = httpx.post(
+        real_gateway + "/v1/chat/completions", json=body, headers={**headers, "X-Request-Id": rid}, timeout=120
+    )
+    assert whole.status_code == 200, whole.text
+    assert whole.headers["x-request-id"] == rid
+    assert whole.json()["id"] == f"chatcmpl-{rid}"
+    overhead = float(whole.headers["x-gateway-overhead-ms"])
+    streamed_id = rid + "-s"
+    with httpx.stream(
+        "POST",
+        real_gateway + "/v1/chat/completions",
+        json={**body, "stream": True},
+        headers={**headers, "X-Request-Id": streamed_id},
+        timeout=120,
+    ) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert chunks and {c["id"] for c in chunks} == {f"chatcmpl-{streamed_id}"}
+    print(f"vLLM's request ids: chatcmpl-{rid}, chatcmpl-{streamed_id}; gateway overhead {overhead:.1f} ms")
+
+
+def test_responses_file_search_answers_from_an_uploaded_document(client):
+    """The Responses API on real vLLM (its own ``OpenAIServingResponses``): the fact comes only
+    from the ``file_search`` tool's passages, cited as the uploaded file."""
+    store = client.vector_stores.create(name="nimbus-responses")  # not the policy's `docs` store
+    uploaded = client.files.create(file=("nimbus.md", FACT_DOC.encode()), purpose="assistants")
+    assert client.vector_stores.files.create(vector_store_id=store.id, file_id=uploaded.id).status == "completed"
+    question = "What is the launch code for Project Nimbus?"
+    tools = [{"type": "file_search", "vector_store_ids": [store.id], "max_num_results": 2}]
+    answer = client.responses.create(model=MODEL, input=question, tools=tools, temperature=0, max_output_tokens=40)
+    print(f"with file_search: {answer.output_text!r}")
+    assert answer.status == "completed" and "BLUE-HERON-42" in answer.output_text
+    search, message = answer.output
+    assert search.type == "file_search_call" and search.queries == [question]
+    assert [a.file_id for a in message.content[0].annotations] == [uploaded.id]
+    assert answer.usage.input_tokens > 0 and answer.usage.output_tokens > 0
+    # The same question without the tool (and without the policy's own stores): no fact.
+    without = client.responses.create(
+        model=MODEL, input=question, temperature=0, max_output_tokens=40, extra_body={"retrieval": {"enabled": False}}
+    )
+    print(f"without: {without.output_text!r}")
+    assert without.status in ("completed", "incomplete") and "BLUE-HERON-42" not in without.output_text
+    assert client.responses.retrieve(answer.id).output_text == answer.output_text

