@@ -69,8 +69,7 @@ def start_gateway(workdir: Path) -> str:
     import ray
     from ray import serve
 
-    from engines.scripted_engine import ScriptedEngine
-    from gateway.app import build_gateway
+    from gateway import deploy
     from gateway.config import load_config
 
     (workdir / "rails-off.yaml").write_text("model_id: rails-off\n" + MODEL_BASE)
@@ -82,11 +81,14 @@ def start_gateway(workdir: Path) -> str:
         f"embedding: {{model: {{batch_wait_timeout_s: {BATCH_WAIT_S}}}}}\n"
     )
     port = free_port()
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    # The dashboard carries Serve's REST API, through which the gateway is applied (as in production).
+    context = ray.init(
+        num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=free_port(),
+        logging_level="ERROR", log_to_driver=False,
+    )  # fmt: skip
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(
-        build_gateway(load_config(workdir / "gateway.yaml"), engine_cls=ScriptedEngine), name="bench", route_prefix="/"
-    )
+    config = load_config(workdir / "gateway.yaml", port=port)
+    deploy.apply(config, address="http://" + context.dashboard_url, engine_cls="engines.scripted_engine:ScriptedEngine")
     return f"http://127.0.0.1:{port}"
 
 

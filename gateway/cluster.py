@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
+import shutil
 import socket
 import subprocess
 import sys
@@ -33,7 +33,8 @@ import httpx
 from gateway.deploy import ray_auth_token
 
 DEFAULT_STATE_DIR = Path(".data/cluster")
-NODE_LABEL = "gateway-node"  # a Ray node label naming each node: head, worker-1, ...
+NODE_LABEL = "gateway-node"
+START_ATTEMPTS = 3  # a Ray node label naming each node: head, worker-1, ...
 
 
 def free_port() -> int:
@@ -92,15 +93,25 @@ class LocalCluster:
             worker_resources = [{"engine": 1} if i == 0 else {"stages": 1} for i in range(workers)]
         if len(worker_resources) != workers:
             raise ValueError(f"{len(worker_resources)} worker resource sets for {workers} workers")
-        gcs_port = free_port()
-        cluster = cls(state_dir, gcs_port, free_port(), f"/tmp/ray-gw-{gcs_port}")
+        for attempt in range(1, START_ATTEMPTS + 1):
+            gcs_port = free_port()
+            cluster = cls(state_dir, gcs_port, free_port(), f"/tmp/ray-gw-{gcs_port}")
+            try:
+                cluster._start_head(head_resources or {}, num_cpus, env or {})
+                cluster.save()
+                cluster._wait(1, timeout_s)
+                break
+            except NodeExited:
+                cluster.down(timeout_s=5)
+                if attempt == START_ATTEMPTS:
+                    raise
+                print(f"the head did not start (attempt {attempt}; a loaded machine?): retrying", flush=True)
+            except BaseException:
+                cluster.down()
+                raise
         try:
-            cluster._start_head(head_resources or {}, num_cpus, env or {})
-            cluster.save()
-            cluster._wait(1, timeout_s)
             for i, resources in enumerate(worker_resources, 1):
-                cluster.add_worker(f"worker-{i}", resources, num_cpus=num_cpus, env=env, wait=False)
-            cluster._wait(1 + workers, timeout_s)
+                cluster.add_worker(f"worker-{i}", resources, num_cpus=num_cpus, env=env, timeout_s=timeout_s)
         except BaseException:
             cluster.down()
             raise
@@ -112,6 +123,9 @@ class LocalCluster:
         env = dict(os.environ)
         for key, value in RAY_ENV_DEFAULTS.items():
             env.setdefault(key, value)
+        if "RAY_AUTH_MODE" not in env and ray_auth_token():
+            # A head finding a token turns token auth on by itself; a worker only when told.
+            env["RAY_AUTH_MODE"] = "token"
         env.update(extra)
         return env
 
@@ -155,7 +169,27 @@ class LocalCluster:
         wait: bool = True,
         timeout_s: float = 300,
     ) -> Node:
-        """Start one more worker node (also to replace a killed one)."""
+        """Start one more worker node (also to replace a killed one). Ray gives a starting node
+        30 s to register, which a loaded machine can miss: it is started again then."""
+        for attempt in range(1, START_ATTEMPTS + 1):
+            node = self._start_worker(name, resources, num_cpus, env)
+            if not wait:
+                return node
+            try:
+                self._wait(len(self.alive_nodes()) + 1, timeout_s)
+                return node
+            except NodeExited:
+                self.nodes.remove(node)
+                _kill_node(node.pid, self.temp_dir)
+                self.save()
+                if attempt == START_ATTEMPTS:
+                    raise
+                print(f"{name} did not start (attempt {attempt}; a loaded machine?): retrying", flush=True)
+        raise AssertionError("unreachable")
+
+    def _start_worker(
+        self, name: str, resources: dict[str, float], num_cpus: float, env: dict[str, str] | None
+    ) -> Node:
         proxy_port = free_port()
         extra = {"RAY_SERVE_WORKER_PROXY_HTTP_PORT": str(proxy_port), **(env or {})}
         pid = self._spawn(
@@ -174,8 +208,6 @@ class LocalCluster:
         node = Node(name, pid, resources, num_cpus, proxy_port)
         self.nodes.append(node)
         self.save()
-        if wait:
-            self._wait(len(self.alive_nodes()) + 1, timeout_s)
         return node
 
     # -- looking at it ---------------------------------------------------------------------
@@ -205,7 +237,7 @@ class LocalCluster:
         while len(self.alive_nodes()) < count:
             for node in self.nodes:
                 if not _running(node.pid):
-                    raise RuntimeError(f"{node.name} exited; see {self.state_dir / 'logs' / (node.name + '.log')}")
+                    raise NodeExited(f"{node.name} exited; see {self.state_dir / 'logs' / (node.name + '.log')}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{count} nodes not alive after {timeout_s:.0f}s: {self.alive_nodes()}")
             time.sleep(1)
@@ -237,18 +269,22 @@ class LocalCluster:
 
         procs: list[psutil.Process] = []
         for node in reversed(self.nodes):
-            try:
-                leader = psutil.Process(node.pid)
-                procs += [leader, *leader.children(recursive=True)]
-                os.killpg(node.pid, signal.SIGTERM)
-            except (psutil.NoSuchProcess, ProcessLookupError):
-                continue
+            # A killed node's `ray start` has ended, but members of its group may live on.
+            for proc in _node_processes(node.pid, self.temp_dir):
+                procs.append(proc)
+                try:
+                    proc.terminate()
+                except psutil.NoSuchProcess:
+                    pass
         _, alive = psutil.wait_procs(procs, timeout=timeout_s)
         for proc in alive:
             try:
                 proc.kill()
             except psutil.NoSuchProcess:
                 pass
+        # Ray's sessions (sockets, logs, spilled objects) of this cluster only; the `ray start`
+        # output stays in <state_dir>/logs.
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
         (self.state_dir / "cluster.json").unlink(missing_ok=True)
 
     # -- the state file --------------------------------------------------------------------
@@ -267,6 +303,34 @@ class LocalCluster:
         data["state_dir"] = Path(data["state_dir"])
         data["nodes"] = [Node(**n) for n in data["nodes"]]
         return cls(**data)
+
+
+class NodeExited(RuntimeError):
+    """A node's `ray start` process ended (while starting: usually Ray's 30 s registration limit)."""
+
+
+def _node_processes(pgid: int, temp_dir: str) -> list:
+    """The processes of one node we started: its `ray start` process group, and only those
+    whose command line names this cluster's temp dir (a recycled process group id is not ours)."""
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if os.getpgid(proc.pid) == pgid and temp_dir in " ".join(proc.info["cmdline"] or []):
+                found.append(proc)
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return found
+
+
+def _kill_node(pgid: int, temp_dir: str) -> None:
+    """SIGKILL what is left of a node that failed to start (its GCS or raylet may linger)."""
+    for proc in _node_processes(pgid, temp_dir):
+        try:
+            proc.kill()
+        except Exception:
+            pass
 
 
 def _running(pid: int) -> bool:
@@ -307,7 +371,11 @@ def command(args) -> int:
             overrides = {"port": args.port} if args.port else {}
             return _apply_and_report(args.config, overrides, cluster.dashboard, dry_run=False)
         return 0
-    cluster = LocalCluster.load(state_dir)
+    try:
+        cluster = LocalCluster.load(state_dir)
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     if args.cluster_command == "down":
         cluster.down()
         print("cluster down", flush=True)
@@ -330,7 +398,7 @@ def add_parser(sub) -> None:
     up = verbs.add_parser("up", help="start a head and worker nodes, then apply the gateway")
     up.add_argument("--workers", type=int, default=2)
     up.add_argument("--num-cpus", type=float, default=2, help="CPUs each node offers Ray")
-    up.add_argument("--head-resources", default="{}", help='JSON, e.g. \'{"stages": 1}\'')
+    up.add_argument("--head-resources", default="{}", help="JSON, e.g. '{\"stages\": 1}'")
     up.add_argument(
         "--worker-resources",
         action="append",

@@ -254,10 +254,13 @@ class LoadedConfig:
 
 
 def load_config(path: str | Path, **overrides) -> LoadedConfig:
-    """Read ``gateway.yaml`` and every model file it lists. Errors name file, key, reason."""
+    """Read ``gateway.yaml`` and every model file it lists. Errors name file, key, reason.
+    ``overrides`` replace keys; a section given as a mapping is merged into the file's section."""
     path = Path(path).resolve()
     data = read_yaml(path)
-    data.update(overrides)
+    for key, value in overrides.items():
+        section = data.get(key)
+        data[key] = {**section, **value} if isinstance(section, dict) and isinstance(value, dict) else value
     try:
         gateway = GatewayConfig.model_validate(data)
     except ValidationError as exc:

@@ -145,16 +145,17 @@ class EngineClient:
             if meter is not None:
                 meter.charge_body(body)
             return JSONBytesResponse(body_filter(body) if body_filter else body, headers=headers)
+        stream = relay_stream(
+            first,
+            gen,
+            event_filter,
+            idle_s=self._timeouts.stream_idle_s,
+            total_s=self._timeouts.total_s,
+            observer=metrics.stream_observer(),
+            strip_usage=strip_usage,
+        )
         return StreamingResponse(
-            relay_stream(
-                first,
-                gen,
-                event_filter,
-                idle_s=self._timeouts.stream_idle_s,
-                total_s=self._timeouts.total_s,
-                observer=metrics.stream_observer(),
-                strip_usage=strip_usage,
-            ),
+            meter.follow(stream) if meter is not None else stream,
             media_type="text/event-stream",
             headers={**STREAM_HEADERS, **(headers or {})},
         )

@@ -34,7 +34,8 @@ async def authenticate(request: Request) -> None:
 
     The keys live in the ingress replica (the servable object Serve routes this request to).
     """
-    if request.url.path in PUBLIC_PATHS:
+    # The matched route's own path: the same under any route prefix Serve mounts the app at.
+    if getattr(request.scope.get("route"), "path", request.url.path) in PUBLIC_PATHS:
         return
     gateway = serve.get_replica_context().servable_object
     request.state.principal = gateway.keys.authenticate(request.headers.get("authorization"))

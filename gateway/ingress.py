@@ -97,7 +97,7 @@ class Gateway(RetrievalRoutes, ResponsesRoutes):
         read its route keeps it to the end."""
         try:
             self._routes, changed = build_routes(user_config, self._routes, self._engine_client)
-        except ValueError:
+        except Exception:
             if not self._routes.models:
                 raise  # nothing to keep serving
             logger.exception("keeping the last good model policies")
@@ -107,7 +107,10 @@ class Gateway(RetrievalRoutes, ResponsesRoutes):
             logger.info("model %s: config %s applied", model_id, route.policy.version if route else "removed")
 
     def _engine_client(self, deployment: str, app: str) -> EngineClient:
-        handle = serve.get_deployment_handle(deployment, app_name=app)
+        # Not checked against the controller: a model added in the same apply as this policy
+        # has no deployment until its application is built (seconds later); the handle is lazy
+        # and routes to the replicas once they exist. Checking would fail this reconfigure.
+        handle = serve.get_deployment_handle(deployment, app_name=app, _check_exists=False)
         return EngineClient(handle, timeouts=self._settings.timeouts, retry_after_s=self._settings.retry_after_s)
 
     # --- the request path ---------------------------------------------------------

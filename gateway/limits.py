@@ -102,7 +102,9 @@ async def enforce_limits(request: Request) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        if meter is not None:
+        # A stream settles when it ends (``Meter.follow``): this may run as soon as the route
+        # has returned its response, before the body is sent.
+        if meter is not None and not meter.streaming:
             meter.finish()
 
 
@@ -297,6 +299,7 @@ class Meter:
         self.exact = False  # the engine reported usage (otherwise output events are counted)
         self.usage_wanted = False
         self.continuous_wanted = False
+        self.streaming = False
         self._settled = False
 
     @property
@@ -322,6 +325,20 @@ class Meter:
 
     def wrap(self, inner: Callable | None) -> MeteredStream:
         return MeteredStream(self, inner)
+
+    async def follow(self, body: AsyncIterator[str]) -> AsyncIterator[str]:
+        """A stream's body, settled when it ends, fails or the client leaves."""
+        self.streaming = True
+        try:
+            async for part in body:
+                yield part
+        except BaseException:
+            # The client left (the request's task is cancelled): settle at once. Reaching the
+            # `finally` of a cancelled stream was seen to take many seconds under Serve.
+            self.finish()
+            raise
+        finally:
+            self.finish()
 
     def charge_body(self, body: dict[str, Any]) -> None:
         usage = body.get("usage") or {}

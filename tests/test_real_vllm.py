@@ -620,7 +620,9 @@ def test_responses_file_search_answers_from_an_uploaded_document(client):
     tools = [{"type": "file_search", "vector_store_ids": [store.id], "max_num_results": 2}]
     answer = client.responses.create(model=MODEL, input=question, tools=tools, temperature=0, max_output_tokens=40)
     print(f"with file_search: {answer.output_text!r}")
-    assert answer.status == "completed" and "BLUE-HERON-42" in answer.output_text
+    assert "BLUE-HERON-42" in answer.output_text
+    # SmolLM2 often talks on past the fact: then the answer is cut at max_output_tokens, as OpenAI marks it.
+    assert answer.status == "completed" or answer.incomplete_details.reason == "max_output_tokens"
     search, message = answer.output
     assert search.type == "file_search_call" and search.queries == [question]
     assert [a.file_id for a in message.content[0].annotations] == [uploaded.id]

@@ -86,6 +86,7 @@ def test_every_route_needs_a_key(gateway_url):
 
 
 def _app_routes():
+    import gateway.ingress  # noqa: F401  (its class body registers the routes on the app)
     from gateway.http import app
 
     return [r for r in app.routes if hasattr(r, "methods")]

@@ -166,11 +166,11 @@ def test_stream_past_total_time_is_stopped(bounds, engine_events):
 
 def test_full_engine_queue_is_a_503_with_retry_after(bounds_url, engine_events):
     """The engine takes 1 request and queues 1: of 8 at once, the rest are refused at once,
-    before the first served request (1.2 s of engine time) is done: none waited for a slot."""
+    before the first served request (0.6 s of engine time) is done: none waited for a slot."""
 
     def send(i: int) -> tuple[int, float, httpx.Response]:
         with httpx.Client(base_url=bounds_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30) as c:
-            r = c.post("/v1/chat/completions", json=_chat(f"[[tokens:4]][[delay-ms:300]] {i}"))
+            r = c.post("/v1/chat/completions", json=_chat(f"[[tokens:3]][[delay-ms:200]] {i}"))
         return r.status_code, time.monotonic(), r
 
     with ThreadPoolExecutor(8) as pool:

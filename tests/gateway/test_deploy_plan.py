@@ -41,7 +41,13 @@ def test_one_application_per_model_plus_the_gateway_and_serve_accepts_it(configs
     assert gateway["route_prefix"] == "/" and "models" not in gateway["args"]["settings"]
     assert all(a["route_prefix"] is None for a in config["applications"][:-1])
     # The engine layer gets only the engine part of a model file.
-    assert set(config["applications"][0]["args"]["engine"]) == {"model_id", "source", "engine", "placement", "deployment"}
+    assert set(config["applications"][0]["args"]["engine"]) == {
+        "model_id",
+        "source",
+        "engine",
+        "placement",
+        "deployment",
+    }
 
 
 def test_the_shipped_config_renders(monkeypatch):

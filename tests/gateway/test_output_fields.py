@@ -49,7 +49,11 @@ def request(script: str, *, chat: bool, stream: bool, **fields) -> tuple[str, di
             "messages": [{"role": "system", "content": script}, {"role": "user", "content": "Go on."}],
         }
         return "/v1/chat/completions", {**body, "stream": stream, **fields}
-    return "/v1/completions", {"model": MODEL, "prompt": script, "stream": stream, "max_tokens": 1000, **fields}
+    # Completions have no system role: the script is user text, read by every input rail. A
+    # line of prose keeps the injection classifier from reading a bare run of hex directives as
+    # an encoded payload (which it rightly scores high: 0.89 alone, 0.67 with this line).
+    prompt = "Write a short story about a cat.\n" + script
+    return "/v1/completions", {"model": MODEL, "prompt": prompt, "stream": stream, "max_tokens": 1000, **fields}
 
 
 def post(http, script: str, *, chat: bool, stream: bool, **fields) -> tuple[str, list[dict] | dict]:

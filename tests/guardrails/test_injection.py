@@ -145,8 +145,7 @@ def test_tiny_classifier_trained_on_real_embeddings_separates_obvious_examples(e
 
 
 def test_shipped_artifact_separates_obvious_examples(encoder):
-    if not DEFAULT_ARTIFACT.exists():
-        pytest.skip(f"no trained artifact at {DEFAULT_ARTIFACT}; run python -m guardrails.train_injection")
+    assert DEFAULT_ARTIFACT.exists(), f"no trained artifact at {DEFAULT_ARTIFACT}; run `make models`"
     clf = load_scorer(DEFAULT_ARTIFACT)
     detector = InjectionDetector(clf, clf.calibrated_threshold, use_heuristics=False)
     for text, emb in zip(ATTACKS, encoder.encode(ATTACKS), strict=True):
@@ -294,6 +293,18 @@ def test_document_threshold_is_validated():
 
     with pytest.raises(ValidationError, match="document_threshold"):
         GuardrailPolicy.model_validate({"injection": {"document_threshold": 1.5}})
+
+
+# Floors from the one measurement on the disjoint eval after the last change to the training
+# data (README, "Injection detection"): regression guards. The targets (recall >= 0.9 at
+# <= 5% FPR per language; documents likewise) are NOT met yet: Japanese recall 0.7, English FPR
+# 2 of 15 (texts quoting attacks to analyse them), document recall 0.39.
+DISJOINT_MIN_RECALL = 0.7  # every language, chat turns
+DISJOINT_MAX_LANG_FPR = 0.14  # every language, chat turns (1 or 2 of 15)
+DISJOINT_MIN_OVERALL_RECALL = 0.9
+DISJOINT_MAX_OVERALL_FPR = 0.06
+DISJOINT_MIN_DOCUMENT_RECALL = 0.38
+DISJOINT_MAX_DOCUMENT_FPR = 0.0  # no fact sheet, policy or tool result of the eval is dropped
 
 
 def _serving_detector():

@@ -3,13 +3,13 @@
 import numpy as np
 import pytest
 
+# The guardrails modules import torch lazily; the test itself needs it to build the tiny model.
+import torch
+import transformers
+
 from guardrails.config import HfClassifierConfig
 from guardrails.detectors.injection import InjectionDetector
 from guardrails.detectors.injection_hf import HfInjectionClassifier
-
-# The guardrails modules import torch lazily; the test itself needs it to build the tiny model.
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
 
 WORDS = ["ignore", "all", "previous", "instructions", "hello", "how", "are", "you", "the", "a", "."]
 

@@ -1,8 +1,8 @@
 import numpy as np
-import pytest
 
 from guardrails.config import load_policy
 from guardrails.detectors.injection import InjectionClassifier
+from guardrails.detectors.injection_ensemble import InjectionEnsemble
 from guardrails.detectors.topics import TopicMatcher
 from guardrails.input_rail import InputGuard
 from guardrails.metrics import RailMetrics
@@ -92,10 +92,9 @@ def test_build_injection_scorer_loads_the_shipped_artifact_by_default():
     from guardrails.input_rail import build_injection_scorer
 
     assert build_injection_scorer(load_policy({"injection": {"enabled": False}}).injection) is None
-    if not DEFAULT_ARTIFACT.exists():
-        pytest.skip(f"no trained artifact at {DEFAULT_ARTIFACT}")
+    assert DEFAULT_ARTIFACT.exists(), f"no trained artifact at {DEFAULT_ARTIFACT}: run `make models`"
     scorer = build_injection_scorer(load_policy({}).injection)
-    assert isinstance(scorer, InjectionClassifier) and scorer.dim == 384
+    assert isinstance(scorer, InjectionEnsemble) and scorer.minilm.dim == 384
 
 
 def test_only_model_scorers_are_sent_off_the_event_loop():

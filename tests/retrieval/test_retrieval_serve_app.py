@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-pytest.importorskip("ray.serve")
-
 from ray import serve  # noqa: E402
 
 from retrieval.config import ChunkingConfig, EmbeddingModelConfig, RetrievalConfig  # noqa: E402

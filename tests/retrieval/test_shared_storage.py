@@ -14,16 +14,12 @@ import signal
 import time
 
 import pytest
-
-from retrieval.shared_storage import SharedStorage
-
-pytest.importorskip("ray.serve")
-
 from ray import serve  # noqa: E402
 
 from retrieval.config import ChunkingConfig, EmbeddingModelConfig, RetrievalConfig  # noqa: E402
 from retrieval.embedding_deployment import OMP_ENV, Embedder  # noqa: E402
 from retrieval.service import Retriever  # noqa: E402
+from retrieval.shared_storage import SharedStorage
 from retrieval.tenancy import Caller  # noqa: E402
 
 APP = "shared-storage-test"
@@ -116,8 +112,9 @@ def replicas(ray_session, tmp_path_factory):
     a = Retriever.options(name="RetrieverA", ray_actor_options={"num_cpus": 0.1}).bind(embedder, config)
     b = Retriever.options(name="RetrieverB", ray_actor_options={"num_cpus": 0.1}).bind(embedder, config)
     serve.run(_Both.bind(a, b), name=APP, route_prefix=None)
-    yield serve.get_deployment_handle("RetrieverA", app_name=APP), serve.get_deployment_handle(
-        "RetrieverB", app_name=APP
+    yield (
+        serve.get_deployment_handle("RetrieverA", app_name=APP),
+        serve.get_deployment_handle("RetrieverB", app_name=APP),
     )
     serve.delete(APP)
 
@@ -157,7 +154,10 @@ def test_concurrent_writes_through_both_replicas_lose_nothing(replicas):
 
     async def run() -> list[dict]:
         uploads = await asyncio.gather(
-            *(h.create_file.remote(f"{t}.md", _doc(t, f"{t} fact {i}."), caller=OP) for i, (h, t) in enumerate(zip(handles, topics)))
+            *(
+                h.create_file.remote(f"{t}.md", _doc(t, f"{t} fact {i}."), caller=OP)
+                for i, (h, t) in enumerate(zip(handles, topics))
+            )
         )
         # Both replicas commit into the same store at once.
         return await asyncio.gather(
