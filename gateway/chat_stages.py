@@ -56,15 +56,16 @@ class TextSlot:
         self.container[self.key] = text
 
 
-def _strings(value: Any, role: str, out: list[TextSlot]) -> None:
-    """Every non-empty string inside ``value`` (dicts and lists walked), as slots."""
+def string_slots(value: Any, role: str, out: list[TextSlot], skip: frozenset[str] = _STRUCTURAL_KEYS) -> None:
+    """Every non-empty string inside ``value`` (dicts and lists walked), as slots; strings under
+    the keys in ``skip`` (structure, not text) are left out."""
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for key, item in items:
         if isinstance(item, str):
-            if item and key not in _STRUCTURAL_KEYS:
+            if item and key not in skip:
                 out.append(TextSlot(value, key, role))
         elif isinstance(item, (dict, list)):
-            _strings(item, role, out)
+            string_slots(item, role, out, skip)
 
 
 def _unreadable(field: str, what: str) -> APIError:
@@ -88,14 +89,14 @@ def chat_texts(data: dict[str, Any]) -> list[TextSlot]:
             for j, part in enumerate(content):
                 if isinstance(part, dict) and part.get("type") not in _TEXT_PART_TYPES:
                     raise _unreadable(f"messages[{i}].content[{j}]", f"{part.get('type')!r} content parts")
-        _strings(message, str(message.get("role", "")), slots)
+        string_slots(message, str(message.get("role", "")), slots)
     for name in _PROMPT_FIELDS:
         value = data.get(name)
         if isinstance(value, str):
             if value:
                 slots.append(TextSlot(data, name, name))
         elif value is not None:
-            _strings(value, name, slots)
+            string_slots(value, name, slots)
     return slots
 
 

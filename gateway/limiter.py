@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import time
 import uuid
 from collections import deque
@@ -25,6 +24,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ray import serve
+
+from retrieval.persistence import atomic_write
 
 logger = logging.getLogger(__name__)
 
@@ -355,17 +356,7 @@ def read_budgets(path: Path) -> dict[str, list]:
 def write_budgets(path: Path, budgets: dict[str, list]) -> None:
     """Atomically: a new file, fsynced, renamed over the old one (a crash leaves either)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(budgets, f, separators=(",", ":"))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    atomic_write(path, json.dumps(budgets, separators=(",", ":")).encode())
 
 
 @serve.deployment(name="Limiter", num_replicas=1, max_ongoing_requests=4096)

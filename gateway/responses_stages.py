@@ -16,7 +16,7 @@ from typing import Any
 from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
 
 from gateway import request_policy
-from gateway.chat_stages import TextSlot
+from gateway.chat_stages import TextSlot, string_slots
 from gateway.errors import APIError, bad_request
 from gateway.protocol import validate
 from retrieval.records import Passage
@@ -282,7 +282,7 @@ def response_texts(data: dict[str, Any]) -> list[TextSlot]:
                 what = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise _unreadable(f"input[{i}].content[{j}]", f"{what!r} content parts")
         role = item.get("role") if kind == "message" else "tool" if kind == "function_call_output" else "assistant"
-        _strings(item, str(role), slots)
+        string_slots(item, str(role), slots, _STRUCTURAL_KEYS)
     for name in _PROMPT_FIELDS:
         value = data.get(name)
         if name == "tools" and isinstance(value, list):
@@ -291,18 +291,8 @@ def response_texts(data: dict[str, Any]) -> list[TextSlot]:
             if value:
                 slots.append(TextSlot(data, name, name))
         elif value:
-            _strings(value, name, slots)
+            string_slots(value, name, slots, _STRUCTURAL_KEYS)
     return slots
-
-
-def _strings(value: Any, role: str, out: list[TextSlot]) -> None:
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for key, item in items:
-        if isinstance(item, str):
-            if item and key not in _STRUCTURAL_KEYS:
-                out.append(TextSlot(value, key, role))
-        elif isinstance(item, (dict, list)):
-            _strings(item, role, out)
 
 
 def retrieval_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:

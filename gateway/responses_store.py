@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import os
 import re
 from pathlib import Path
 from typing import Any
 
 import orjson
+
+from retrieval.persistence import atomic_write
 
 _ID = re.compile(r"^resp_[A-Za-z0-9_-]{1,128}$")
 
@@ -58,12 +59,7 @@ class ResponseStore:
 
 def _write(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, data)
 
 
 def _read(path: Path) -> bytes | None:
