@@ -53,8 +53,8 @@ browser:
 	test -x /usr/bin/chromium || (apt-get update && apt-get install -y chromium)
 
 test: setup lint browser
-	$(PY) -m pytest -q -m "not real" tests
-	$(PY) -m pytest -q -m real tests
+	$(PY) -m pytest -q --durations=15 -m "not real" tests
+	$(PY) -m pytest -q --durations=10 -m real tests
 
 bench: setup
 	$(PY) benchmarks/bench_serving.py

@@ -36,6 +36,9 @@ _STRUCTURAL_KEYS = frozenset({"role", "type"})
 _TEXT_PART_TYPES = frozenset({"text", "refusal", "input_text", "output_text"})
 # Top-level request fields whose strings a chat template may render into the prompt.
 _PROMPT_FIELDS = ("tools", "functions", "tool_choice", "documents", "chat_template_kwargs", "response_format")
+# Roles (and fields) whose texts are documents, not a person's turn: tool and function results
+# and client-sent documents, judged by the injection rail as documents (indirect injection).
+_DOCUMENT_ROLES = frozenset({"tool", "function", "documents"})
 # Fields that change how the prompt is built in ways no text rail can judge.
 _UNCHECKABLE_FIELDS = ("chat_template", "prompt_embeds", "mm_processor_kwargs")
 
@@ -145,8 +148,9 @@ async def input_rails(
     checked = [s for s in slots if s.role not in policy.exempt_roles]
     try:
         instructions = [s.role in policy.injection.instruction_roles for s in checked]
+        documents = [s.role in _DOCUMENT_ROLES for s in checked]
         call_ = guard.check_input.remote(
-            model_id, policy, [s.get() for s in checked], [s.get() for s in slots], instructions
+            model_id, policy, [s.get() for s in checked], [s.get() for s in slots], instructions, documents
         )
         with metrics.stage("input_rails"):
             decision = await within(call_, timeout_s, "guardrails")

@@ -33,7 +33,7 @@ from gateway.limiter_config import KeyLimits, LimitsSettings
 logger = logging.getLogger(__name__)
 
 # Routes whose body names a model (per-model limits) and whose usage is charged.
-MODEL_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
+MODEL_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"})
 HEADERS_STATE = "ratelimit_headers"
 METER_STATE = "limit_meter"
 LENGTH = "length"
@@ -201,7 +201,12 @@ class RequestLimits:
             estimate = len(body or b"")
             if resolved is not None and path != "/v1/embeddings":
                 model_id, default_max = resolved
-                most = data.get("max_completion_tokens") or data.get("max_tokens") or default_max
+                most = (
+                    data.get("max_completion_tokens")
+                    or data.get("max_tokens")
+                    or data.get("max_output_tokens")  # /v1/responses
+                    or default_max
+                )
                 n = data.get("n") if isinstance(data.get("n"), int) and data.get("n") > 0 else 1
                 if not isinstance(most, int) or most <= 0:
                     most, open_ended = self._settings.completion_estimate_tokens, True
@@ -323,22 +328,47 @@ class Meter:
                     current = getattr(request, name)
                     setattr(request, name, min(current, self.allowance) if current else self.allowance)
 
+    def bound(self, body: dict[str, Any], field: str) -> None:
+        """A JSON body's output cap (``max_output_tokens`` of /v1/responses), streamed or not,
+        lowered to the budget's allowance: the engine stops there."""
+        if self.allowance is not None:
+            current = body.get(field)
+            body[field] = min(current, self.allowance) if isinstance(current, int) and current > 0 else self.allowance
+
+    def charge(self, prompt: int, completion: int) -> None:
+        """The request's tokens, counted by the route (settled when it ends)."""
+        self.prompt, self.completion, self.exact = prompt, completion, True
+
     def wrap(self, inner: Callable | None) -> MeteredStream:
         return MeteredStream(self, inner)
 
-    async def follow(self, body: AsyncIterator[str]) -> AsyncIterator[str]:
-        """A stream's body, settled when it ends, fails or the client leaves."""
+    def follow(
+        self, body: AsyncIterator[str], tokens: Callable[[], tuple[int, int]] | None = None
+    ) -> AsyncIterator[str]:
+        """A stream's body, settled when it ends, fails or the client leaves (not when the route
+        returns: that is before the body is sent). ``tokens`` gives the (prompt, completion)
+        tokens when the route counts them itself."""
         self.streaming = True
+        return self._follow(body, tokens)
+
+    async def _follow(
+        self, body: AsyncIterator[str], tokens: Callable[[], tuple[int, int]] | None
+    ) -> AsyncIterator[str]:
         try:
             async for part in body:
                 yield part
         except BaseException:
             # The client left (the request's task is cancelled): settle at once. Reaching the
             # `finally` of a cancelled stream was seen to take many seconds under Serve.
-            self.finish()
+            self._settle_counted(tokens)
             raise
         finally:
-            self.finish()
+            self._settle_counted(tokens)
+
+    def _settle_counted(self, tokens: Callable[[], tuple[int, int]] | None) -> None:
+        if tokens is not None and not self._settled:
+            self.charge(*tokens())
+        self.finish()
 
     def charge_body(self, body: dict[str, Any]) -> None:
         usage = body.get("usage") or {}

@@ -22,6 +22,7 @@ from gateway.auth import Principal
 from gateway.engine_client import STREAM_HEADERS
 from gateway.errors import APIError, JSONBytesResponse, bad_request
 from gateway.http import app
+from gateway.limits import meter_of
 from gateway.model_file import ModelPolicy
 from gateway.protocol import read_json_body, split_extensions
 from gateway.responses_stages import ResponsesCall
@@ -63,6 +64,9 @@ class ResponsesRoutes:
         # 0. the model's request defaults and caps (`max_output_tokens` is its `max_tokens`)
         responses_stages.apply_request_policy(policy.requests, data)
         responses_stages.check_request(data)
+        meter = meter_of(request)  # the key's limits: tokens charged, output bounded by its budget
+        if meter is not None:
+            meter.bound(data, "max_output_tokens")
         rails = policy.guardrails if policy.guardrails.enabled and policy.guardrails.output.enabled else None
         if rails and _LOGPROBS in call.include:
             raise APIError(
@@ -92,6 +96,8 @@ class ResponsesRoutes:
         headers = {CONFIG_VERSION_HEADER: policy.version}
         if not isinstance(first, list):  # the whole response
             body = shaper.whole(first)
+            if meter is not None:
+                meter.charge(*shaper.tokens())
             await self._keep(owner, call, data, body)
             return JSONBytesResponse(body, headers=headers)
 
@@ -100,6 +106,8 @@ class ResponsesRoutes:
 
         timeouts = getattr(self._settings, "timeouts", None)
         stream = relay(first, gen, shaper, keep, idle_s=getattr(timeouts, "stream_idle_s", None))
+        if meter is not None:
+            stream = meter.follow(stream, shaper.tokens)
         return StreamingResponse(stream, media_type="text/event-stream", headers={**STREAM_HEADERS, **headers})
 
     @app.get("/v1/responses/{response_id}")

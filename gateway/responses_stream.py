@@ -123,11 +123,14 @@ class ResponseShaper:
         self._items: dict[int, dict[str, Any]] = {}  # output items done or open, by output_index
         self.stopped = False  # set on a block: the relay then cancels the engine
         self.final: dict[str, Any] | None = None  # the response as it ended (to store)
+        self._usage: dict[str, Any] | None = None  # the engine's, even when a cut drops it
+        self._deltas = 0  # output deltas seen (one per token), while the usage is unknown
 
     # --- the whole response ------------------------------------------------------------
 
     def whole(self, body: dict[str, Any]) -> dict[str, Any]:
         """A non-streamed response: every text checked whole, cut at a violation."""
+        self._usage = body.get("usage")
         output = list(body.get("output") or [])
         kept = []
         for i, item in enumerate(output):
@@ -144,6 +147,14 @@ class ResponseShaper:
         body["output"] = kept
         self.final = self._shape(body, final=True)
         return self.final
+
+    def tokens(self) -> tuple[int, int]:
+        """(input, output) tokens as the engine counted them; while it has not said (a stream
+        cut or failed before its end), the output deltas seen and no input."""
+        usage = self._usage or {}
+        if usage:
+            return usage.get("input_tokens") or 0, usage.get("output_tokens") or 0
+        return 0, self._deltas
 
     # --- events --------------------------------------------------------------------------
 
@@ -162,6 +173,7 @@ class ResponseShaper:
             return self._numbered(out)
         if kind in ("response.completed", "response.incomplete"):
             response = event["response"]
+            self._usage = response.get("usage")
             output = response.get("output") or []
             for i, item in enumerate(output):
                 self._settle(item, i + self._shift)
@@ -172,6 +184,7 @@ class ResponseShaper:
             event["type"] = "response.incomplete" if self.final["status"] == "incomplete" else "response.completed"
             return self._numbered([event])
         if kind in _DELTAS:
+            self._deltas += 1
             family, _ = _DELTAS[kind]
             key = (family, event["output_index"], event.get("content_index", event.get("summary_index", 0)))
             text = self._push(key, event["delta"])

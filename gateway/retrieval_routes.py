@@ -28,6 +28,7 @@ from gateway.auth import Principal
 from gateway.bounds import overloaded, retry_after_of
 from gateway.errors import APIError, JSONBytesResponse, bad_request, model_not_found
 from gateway.http import app
+from gateway.limits import meter_of
 from gateway.protocol import bounded, read_json_body
 from retrieval.errors import RetrievalError
 from retrieval.tenancy import Caller
@@ -143,6 +144,9 @@ class RetrievalRoutes:
         counts = self._embedder.count_tokens.remote([t for t in inputs if isinstance(t, str)])
         vectors = await call(asyncio.gather(*calls), "embedder")
         tokens = sum(await call(counts, "embedder")) + sum(len(t) + 2 for t in inputs if isinstance(t, list))
+        meter = meter_of(request)
+        if meter is not None:
+            meter.charge(tokens, 0)  # settled by the limits dependency as the route returns
         data_out = [
             {"object": "embedding", "index": i, "embedding": _encode(v, encoding)} for i, v in enumerate(vectors)
         ]

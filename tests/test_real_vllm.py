@@ -566,24 +566,6 @@ def test_output_rail_cuts_the_real_stream_and_vllm_aborts(gateway_process, opera
     assert final["generation_tokens"] - after["generation_tokens"] == whole.json()["usage"]["completion_tokens"]
 
 
-def test_vector_stores_survive_a_full_restart(gateway_process, client, operator_key):
-    """Ingest, restart the whole gateway (Ray included), search again: the same results."""
-    store = client.vector_stores.create(name="restart-check")
-    for name, text in {
-        "a.md": "Otters hold hands while they sleep.",
-        "b.md": "Basalt forms from cooling lava.",
-    }.items():
-        f = client.files.create(file=(name, text.encode()), purpose="assistants")
-        client.vector_stores.files.create(vector_store_id=store.id, file_id=f.id)
-    before = client.vector_stores.search(vector_store_id=store.id, query="sleeping otters").model_dump()
-    gateway_process.stop()
-    gateway_process.start()
-    fresh = openai.OpenAI(base_url=gateway_process.url + "/v1", api_key=operator_key, max_retries=0, timeout=120)
-    after = fresh.vector_stores.search(vector_store_id=store.id, query="sleeping otters").model_dump()
-    assert after == before and after["data"][0]["filename"] == "a.md"
-    assert fresh.vector_stores.retrieve(store.id).file_counts.completed == 2
-
-
 def test_the_request_id_reaches_vllm(real_gateway, operator_key):
     """The caller's X-Request-Id is vLLM's request id: vLLM names its completion after it
     (``chatcmpl-<id>``, streamed and not), and the gateway echoes it with its overhead."""

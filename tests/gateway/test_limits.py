@@ -8,6 +8,7 @@ import json
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -63,7 +64,9 @@ class LimitedGateway:
 ENGINE_APP = "limits-engine-"
 
 
-def _deploy(tmp: Path, fixture: str, app: str, port: int, limits: dict[str, dict]) -> LimitedGateway:
+def _deploy(
+    tmp: Path, fixture: str, app: str, port: int, limits: dict[str, dict], **settings: object
+) -> LimitedGateway:
     """The gateway application of ``fixture`` as ``app`` at ``/app``, in front of the engines of
     ``limit_engines`` (its models' ``user_config`` points there)."""
     from ray import serve
@@ -85,7 +88,7 @@ def _deploy(tmp: Path, fixture: str, app: str, port: int, limits: dict[str, dict
         port=port,
         auth={"api_keys_env": None, "keys_file": str(gw.keys_path)},
         retrieval={**data["retrieval"], "storage_dir": str(tmp / "retrieval")},
-        limits={**data["limits"], "budget_file": str(gw.budgets)},
+        limits={**data["limits"], "budget_file": str(gw.budgets), **settings},
     )
     models = [
         {
@@ -138,6 +141,9 @@ LIMITS = {
     "live": {},
     "outage": {"budget": {"tokens": 5, "period": "month"}},
     "free": {},
+    "resp-tpm": {"tokens_per_minute": 30},
+    "resp-budget": {"budget": {"tokens": 30, "period": "day"}},
+    "resp-budget-stream": {"budget": {"tokens": 30, "period": "day"}},
     "measured": {"requests_per_minute": 100000, "tokens_per_minute": 10000000, "concurrent_requests": 100},
 }
 
@@ -312,6 +318,37 @@ def test_budget_cuts_a_stream_with_length_and_cancels_the_engine(limited, engine
         time.sleep(0.1)
 
 
+def _respond(limited: LimitedGateway, name: str, directives: str, **kw) -> httpx.Response:
+    body = {"model": "scripted", "instructions": directives, "input": "hi", **kw}
+    headers = {"Authorization": f"Bearer {limited.keys[name]}"}
+    return httpx.post(limited.url + "/v1/responses", json=body, headers=headers, timeout=30)
+
+
+def test_responses_tokens_are_charged(limited):
+    client = limited.client("resp-tpm")
+    reply = client.responses.create(model="scripted", instructions="[[tokens:30]]", input="hi")
+    assert reply.usage.output_tokens == 30
+    refused = _respond(limited, "resp-tpm", "[[tokens:1]]")
+    _is_429(refused, "tokens")
+
+
+def test_responses_output_is_bounded_by_the_budget(limited):
+    budget = LIMITS["resp-budget"]["budget"]["tokens"]
+    client = limited.client("resp-budget")
+    reply = client.responses.create(model="scripted", instructions="[[tokens:200]]", input="hi")
+    assert reply.status == "incomplete" and 0 < reply.usage.output_tokens <= budget
+    _is_429(_respond(limited, "resp-budget", "[[tokens:1]]"), "insufficient_quota", "insufficient_quota")
+
+
+def test_responses_stream_is_bounded_by_the_budget(limited):
+    budget = LIMITS["resp-budget-stream"]["budget"]["tokens"]
+    client = limited.client("resp-budget-stream")
+    events = list(client.responses.create(model="scripted", instructions="[[tokens:200]]", input="hi", stream=True))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert events[-1].type == "response.incomplete" and 0 < len(deltas) <= budget
+    _is_429(_respond(limited, "resp-budget-stream", "[[tokens:1]]"), "insufficient_quota", "insufficient_quota")
+
+
 def test_per_model_limit(limited):
     assert limited.post("per-model", _chat("[[tokens:1]]")).status_code == 200
     _is_429(limited.post("per-model", _chat("[[tokens:1]]")), "requests")
@@ -359,28 +396,52 @@ def _kill_limiter(app: str) -> None:
     ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
 
 
-def _until(check, timeout_s: float, what: str):
+def _until(check, timeout_s: float, what: str | Callable[[], str]):
     deadline = time.monotonic() + timeout_s
     while True:
         got = check()
         if got:
             return got
-        assert time.monotonic() < deadline, what
+        assert time.monotonic() < deadline, what() if callable(what) else what
         time.sleep(0.05)
 
 
-def test_limiter_failure_fails_open_and_budgets_survive_its_restart(limited):
-    client = limited.client("outage")
+@pytest.fixture(scope="module")
+def outage(limit_engines, ray_session, tmp_path_factory):
+    """A gateway of its own: with the main one's generous limiter timeout (3 s), Serve may
+    replace a killed limiter before any request has waited that long, and no outage is seen."""
+    from ray import serve
+
+    gw = _deploy(
+        tmp_path_factory.mktemp("limits-outage"),
+        "limits-outage.yaml",
+        "limits-outage",
+        ray_session,
+        {"outage": LIMITS["outage"]},
+        on_limiter_failure="open",
+    )
+    yield gw
+    serve.delete(gw.app)
+
+
+def test_limiter_failure_fails_open_and_budgets_survive_its_restart(outage):
+    client = outage.client("outage")
     reply = client.chat.completions.create(**_chat("[[tokens:50]]"))
     assert reply.choices[0].finish_reason == "length"  # max_tokens lowered to the budget
-    _is_429(limited.post("outage", _chat("[[tokens:1]]")), "insufficient_quota", "insufficient_quota")
+    _is_429(outage.post("outage", _chat("[[tokens:1]]")), "insufficient_quota", "insufficient_quota")
     time.sleep(0.5)  # the charge reaches the disk
-    _kill_limiter(limited.app)
+    _kill_limiter(outage.app)
     # While the limiter is down, requests are served without limits (on_limiter_failure: open).
-    _until(lambda: limited.post("outage", _chat("[[tokens:1]]")).status_code == 200, 10, "did not fail open")
+    seen: list[int] = []
+
+    def served() -> bool:
+        seen.append(outage.post("outage", _chat("[[tokens:1]]")).status_code)
+        return seen[-1] == 200
+
+    _until(served, 10, lambda: f"did not fail open: {seen}")
     # Serve replaces the replica; the new one reads the budgets back from disk.
-    _until(lambda: limited.post("outage", _chat("[[tokens:1]]")).status_code == 429, 90, "limiter never came back")
-    _is_429(limited.post("outage", _chat("[[tokens:1]]")), "insufficient_quota", "insufficient_quota")
+    _until(lambda: outage.post("outage", _chat("[[tokens:1]]")).status_code == 429, 90, "limiter never came back")
+    _is_429(outage.post("outage", _chat("[[tokens:1]]")), "insufficient_quota", "insufficient_quota")
 
 
 def test_limiter_failure_fails_closed_when_configured(limit_engines, ray_session, tmp_path_factory):
@@ -388,10 +449,11 @@ def test_limiter_failure_fails_closed_when_configured(limit_engines, ray_session
 
     closed = _deploy(
         tmp_path_factory.mktemp("limits-closed"),
-        "limits-closed.yaml",
+        "limits-outage.yaml",
         "limits-closed",
         ray_session,
         {"k": {"requests_per_minute": 1000}},
+        on_limiter_failure="closed",
     )
     try:
         assert closed.post("k", _chat("[[tokens:1]]")).status_code == 200
