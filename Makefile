@@ -7,7 +7,7 @@ export GATEWAY_MODELS_DIR ?= $(CURDIR)/.models
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup install models run test lint browser bench clean
+.PHONY: setup install models run test lint browser bench clean prometheus-check
 
 setup: install models
 
@@ -55,6 +55,12 @@ browser:
 test: setup lint browser
 	$(PY) -m pytest -q --durations=15 -m "not real" tests
 	$(PY) -m pytest -q --durations=10 -m real tests
+
+# A real Prometheus (Debian's package) against the running gateway (`make run` in another
+# shell, GATEWAY_API_KEY set): every dashboard query must return data.
+prometheus-check: install
+	command -v prometheus >/dev/null || (apt-get update && apt-get install -y --no-install-recommends prometheus)
+	$(PY) deploy/prometheus/check.py
 
 bench: setup
 	$(PY) benchmarks/bench_serving.py

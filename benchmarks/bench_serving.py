@@ -14,15 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,14 +27,11 @@ sys.path.insert(0, str(ROOT))
 
 from gateway.config import load_config  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _common import Server, free_port  # noqa: E402  (capacity.py imports them from here)
+
 VLLM_CLI = [sys.executable, str(ROOT / "benchmarks" / "vllm_cli.py")]
 METRICS = ("output_throughput", "median_ttft_ms", "median_tpot_ms", "p99_ttft_ms")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def without_stages(config_path: Path, out_dir: Path) -> Path:
@@ -68,44 +62,6 @@ def engine_flags(kwargs: dict) -> list[str]:
         elif value is not False and value is not None:
             flags += [flag, str(value)]
     return flags
-
-
-class Server:
-    def __init__(self, name: str, cmd: list[str], env: dict[str, str], port: int, log_dir: Path):
-        self.name, self.cmd, self.env, self.port = name, cmd, env, port
-        self.log_path = log_dir / f"{name}.log"
-        self.proc: subprocess.Popen | None = None
-
-    def __enter__(self) -> Server:
-        started = time.monotonic()
-        self.log = open(self.log_path, "a")
-        self.proc = subprocess.Popen(
-            self.cmd, cwd=ROOT, env=self.env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited; see {self.log_path}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.port}/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() - started > 900:
-                raise RuntimeError(f"{self.name} not ready after 900 s; see {self.log_path}")
-            time.sleep(2)
-        self.ready_s = time.monotonic() - started
-        print(f"  {self.name} ready in {self.ready_s:.0f} s", flush=True)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        os.killpg(self.proc.pid, signal.SIGINT)
-        try:
-            self.proc.wait(90)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        self.log.close()
-        time.sleep(3)  # let Ray's and vLLM's processes release the cores
 
 
 def run_load(

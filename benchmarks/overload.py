@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -33,15 +32,12 @@ import orjson
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _common import free_port  # noqa: E402
 
 SCRIPTED_ENGINE = "engines.scripted_engine:ScriptedEngine"
 MODEL_ID = "scripted-overload"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_gateway(workdir: Path, ongoing: int, queued: int) -> tuple[str, str | None]:

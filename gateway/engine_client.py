@@ -13,13 +13,14 @@ from ray import exceptions as ray_exceptions
 from ray.llm._internal.serve.core.configs.openai_api_models import ErrorResponse
 from ray.serve import exceptions as serve_exceptions
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
+from vllm.exceptions import VLLMClientError
 
 from gateway import metrics, request_context, sse
 from gateway.bounds import TIMEOUT, RetryableError, overloaded, retry_after_of, timed_out
 from gateway.config import TimeoutSettings
 from gateway.errors import APIError, JSONBytesResponse, engine_unavailable, error_event, internal_error
-from gateway.protocol import prune_nulls, response_body
+from gateway.protocol import client_error, prune_nulls, response_body
 
 logger = logging.getLogger(__name__)
 
@@ -31,8 +32,6 @@ _UNAVAILABLE = (
     serve_exceptions.BackPressureError,
     serve_exceptions.DeploymentUnavailableError,
 )
-
-STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 # A hook that sees each parsed stream event and returns the events to send instead
 # (the output rails use it). Setting its `stopped` attribute ends the stream and cancels
@@ -51,6 +50,10 @@ def error_from_engine(err: ErrorResponse) -> APIError:
     return APIError(
         status, info.message, param=getattr(info, "param", None), code="invalid_value" if status == 400 else None
     )
+
+
+# vLLM's names for fields that an API method calls otherwise.
+_ENGINE_PARAMS = {"responses": {"max_tokens": "max_output_tokens"}}
 
 
 def _first_error(item: Any) -> ErrorResponse | None:
@@ -107,7 +110,11 @@ class EngineClient:
         except _UNAVAILABLE as exc:
             logger.warning("engine unavailable for %s: %s", method, type(exc).__name__)
             raise engine_unavailable() from None
+        except VLLMClientError as exc:  # the engine refused a value of the request (Serve re-raises the cause)
+            raise client_error(exc, _ENGINE_PARAMS.get(method)) from None
         except ray_exceptions.RayTaskError as exc:
+            if isinstance(exc.cause, VLLMClientError):
+                raise client_error(exc.cause, _ENGINE_PARAMS.get(method)) from None
             logger.error(
                 "engine %s failed before its first item: %s", method, type(exc.cause).__name__ if exc.cause else exc
             )
@@ -154,11 +161,9 @@ class EngineClient:
             observer=metrics.stream_observer(),
             strip_usage=strip_usage,
         )
-        return StreamingResponse(
-            meter.follow(stream) if meter is not None else stream,
-            media_type="text/event-stream",
-            headers={**STREAM_HEADERS, **(headers or {})},
-        )
+        if meter is not None:
+            meter.follow_stream()
+        return sse.EventStream(stream, headers, on_close=meter.close if meter is not None else None)
 
 
 async def relay_stream(

@@ -18,9 +18,10 @@ from starlette.responses import Response
 
 from gateway.chat_page import PAGE_PATHS, ReplicaCORS
 from gateway.chat_page import router as chat_page_router
-from gateway.errors import NOT_FOUND, APIError, bad_request, error_response, internal_error
+from gateway.errors import NOT_FOUND, APIError, JSONBytesResponse, bad_request, error_response, internal_error
 from gateway.limits import RateLimitHeaders, enforce_limits
 from gateway.metrics import ObservedRequests
+from gateway.openapi import describe
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,15 @@ app.add_middleware(ReplicaCORS)
 app.add_middleware(RateLimitHeaders)  # x-ratelimit-* on admitted requests' responses
 app.add_middleware(ObservedRequests)  # outermost: times every request, adds x-gateway-overhead-ms
 app.include_router(chat_page_router)
+
+
+@app.get("/openapi.json", include_in_schema=False)
+async def openapi_description(request: Request) -> Response:
+    """The OpenAPI description (with a key, like every non-public route; FastAPI's own would be public)."""
+    served = request.app  # the replica's app, which carries the Gateway's routes (not this module's copy)
+    if served.openapi_schema is None:
+        served.openapi_schema = describe(served, PUBLIC_PATHS)
+    return JSONBytesResponse(served.openapi_schema)
 
 
 @app.exception_handler(APIError)

@@ -305,6 +305,7 @@ class Meter:
         self.usage_wanted = False
         self.continuous_wanted = False
         self.streaming = False
+        self._tokens: Callable[[], tuple[int, int]] | None = None
         self._settled = False
 
     @property
@@ -342,32 +343,16 @@ class Meter:
     def wrap(self, inner: Callable | None) -> MeteredStream:
         return MeteredStream(self, inner)
 
-    def follow(
-        self, body: AsyncIterator[str], tokens: Callable[[], tuple[int, int]] | None = None
-    ) -> AsyncIterator[str]:
-        """A stream's body, settled when it ends, fails or the client leaves (not when the route
-        returns: that is before the body is sent). ``tokens`` gives the (prompt, completion)
-        tokens when the route counts them itself."""
+    def follow_stream(self, tokens: Callable[[], tuple[int, int]] | None = None) -> None:
+        """The answer is a stream: it settles in ``close``, which the stream's response calls
+        when it ends however it ends, not when the route returns (that is before the body is
+        sent). ``tokens`` gives (prompt, completion) when the route counts them itself."""
         self.streaming = True
-        return self._follow(body, tokens)
+        self._tokens = tokens
 
-    async def _follow(
-        self, body: AsyncIterator[str], tokens: Callable[[], tuple[int, int]] | None
-    ) -> AsyncIterator[str]:
-        try:
-            async for part in body:
-                yield part
-        except BaseException:
-            # The client left (the request's task is cancelled): settle at once. Reaching the
-            # `finally` of a cancelled stream was seen to take many seconds under Serve.
-            self._settle_counted(tokens)
-            raise
-        finally:
-            self._settle_counted(tokens)
-
-    def _settle_counted(self, tokens: Callable[[], tuple[int, int]] | None) -> None:
-        if tokens is not None and not self._settled:
-            self.charge(*tokens())
+    def close(self) -> None:
+        if self._tokens is not None and not self._settled:
+            self.charge(*self._tokens())
         self.finish()
 
     def charge_body(self, body: dict[str, Any]) -> None:

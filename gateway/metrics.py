@@ -122,9 +122,9 @@ class GatewayMetrics:
             self.stage.observe(seconds * 1000, tags={"stage": name, "model": model})
         if stats.engine_calls:
             self.overhead.observe(stats.overhead_ms, tags={"route": route, "model": model, "stream": stream})
-        if stats.prompt_tokens is not None:
+        if stats.prompt_tokens:  # Ray's Counter.inc refuses 0
             self.tokens.inc(stats.prompt_tokens, tags={"model": model, "direction": "prompt"})
-        if stats.completion_tokens is not None:
+        if stats.completion_tokens:
             self.tokens.inc(stats.completion_tokens, tags={"model": model, "direction": "completion"})
         if not stats.stream:
             return

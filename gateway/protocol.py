@@ -16,6 +16,7 @@ from ray.llm._internal.serve.core.ingress.utils import _sanitize_chat_completion
 from ray.serve.llm.openai_api_models import ChatCompletionRequest, CompletionRequest
 from starlette.requests import Request
 from starlette.types import Message
+from vllm.exceptions import VLLMClientError
 
 from gateway.errors import APIError, bad_request
 
@@ -31,6 +32,10 @@ EXTENSION_FIELDS = ("retrieval", "guardrails")
 
 # Optional fields OpenAI's schema allows to be null; every other null is dropped.
 NULLABLE_FIELDS = frozenset({"content", "refusal", "logprobs", "finish_reason"})
+
+# OpenAI's bound on choices per request. vLLM has none: n=10**18 would ask the engine for that
+# many sequences (and a negative n fails deep inside it), so the edge refuses both.
+MAX_CHOICES = 128
 
 
 async def read_json_body(request: Request, max_bytes: int) -> dict[str, Any]:
@@ -91,6 +96,16 @@ def validate(model: type[T], data: dict[str, Any]) -> T:
         ) from None
     except (ValueError, TypeError) as exc:  # model validators raising plain errors
         raise bad_request(str(exc), code="invalid_value") from None
+    except VLLMClientError as exc:  # vLLM's validators: not ValueErrors, and they name the field
+        raise client_error(exc) from None
+
+
+def client_error(exc: VLLMClientError, renamed: dict[str, str] | None = None) -> APIError:
+    """A 400 for a value vLLM refused, naming its field (``renamed`` maps vLLM's names to the API's).
+    The message leaves out the refused value, which may be huge."""
+    param = getattr(exc, "parameter", None)
+    param = (renamed or {}).get(param, param)
+    return bad_request(str(exc.args[0]) if exc.args else "Invalid request.", param=param, code="invalid_value")
 
 
 def _param_path(loc: tuple) -> str:
@@ -122,13 +137,14 @@ def parse_chat_request(data: dict[str, Any]) -> ChatCompletionRequest:
                 f"Invalid type for 'messages[{i}]': expected an object.", param=f"messages[{i}]", code="invalid_type"
             )
         role = message.get("role")
-        if role not in CHAT_ROLES:
+        if not isinstance(role, str) or role not in CHAT_ROLES:
             raise bad_request(
                 f"Invalid value for 'messages[{i}].role': {role!r} is not one of {sorted(CHAT_ROLES)}.",
                 param=f"messages[{i}].role",
                 code="invalid_value",
             )
     _require_model(data)
+    _check_choices(data)
     request = validate(ChatCompletionRequest, data)
     # Materialise iterator-typed fields so the request pickles across the Serve hop.
     # Pydantic validates those iterators lazily, so bad content parts surface only here.
@@ -142,7 +158,16 @@ def parse_completion_request(data: dict[str, Any]) -> CompletionRequest:
     _require_model(data)
     if "prompt" not in data:
         raise bad_request("Missing required parameter: 'prompt'.", param="prompt", code="missing_required_parameter")
+    _check_choices(data)
     return validate(CompletionRequest, data)
+
+
+def _check_choices(data: dict[str, Any]) -> None:
+    n = data.get("n")
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_CHOICES):
+        raise bad_request(
+            f"Invalid value for 'n': expected an integer from 1 to {MAX_CHOICES}.", param="n", code="invalid_value"
+        )
 
 
 def _require_model(data: dict[str, Any]) -> None:

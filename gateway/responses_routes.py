@@ -15,11 +15,10 @@ from typing import Any
 
 from fastapi import Request
 from ray.serve.handle import DeploymentHandle
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
-from gateway import chat_stages, responses_stages
+from gateway import chat_stages, responses_stages, sse
 from gateway.auth import Principal
-from gateway.engine_client import STREAM_HEADERS
 from gateway.errors import APIError, JSONBytesResponse, bad_request
 from gateway.http import app
 from gateway.limits import meter_of
@@ -107,8 +106,8 @@ class ResponsesRoutes:
         timeouts = getattr(self._settings, "timeouts", None)
         stream = relay(first, gen, shaper, keep, idle_s=getattr(timeouts, "stream_idle_s", None))
         if meter is not None:
-            stream = meter.follow(stream, shaper.tokens)
-        return StreamingResponse(stream, media_type="text/event-stream", headers={**STREAM_HEADERS, **headers})
+            meter.follow_stream(shaper.tokens)
+        return sse.EventStream(stream, headers, on_close=meter.close if meter is not None else None)
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(self, response_id: str, request: Request) -> Response:

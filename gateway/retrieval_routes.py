@@ -64,11 +64,20 @@ def check_fields(data: dict[str, Any], allowed: set[str]) -> None:
         )
 
 
+def check_objects(data: dict[str, Any], *names: str) -> None:
+    """Fields that must be JSON objects (or null) when present: the Retriever reads them as mappings."""
+    for name in names:
+        if data.get(name) is not None and not isinstance(data[name], dict):
+            raise bad_request(f"Invalid type for '{name}': expected an object.", param=name, code="invalid_type")
+
+
 def query_int(request: Request, name: str, default: int, lo: int, hi: int) -> int:
     raw = request.query_params.get(name)
     if raw is None:
         return default
-    if not raw.lstrip("-").isdigit() or not lo <= int(raw) <= hi:
+    # ASCII digits only (str.isdigit() also accepts "²", which int() refuses), and few of them
+    # (int() refuses over 4300 digits).
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 18) or not lo <= int(raw) <= hi:
         raise bad_request(
             f"Invalid '{name}': expected an integer between {lo} and {hi}.", param=name, code="invalid_value"
         )
@@ -237,6 +246,7 @@ class RetrievalRoutes:
     async def create_vector_store(self, request: Request) -> Response:
         caller = caller_of(request)
         data = await self._json(request, STORE_FIELDS)
+        check_objects(data, "metadata", "chunking_strategy", "expires_after")
         store = self._retrieval().create_store.remote(
             data.get("name"), data.get("metadata"), data.get("file_ids"), data.get("chunking_strategy"), caller=caller
         )
@@ -264,6 +274,7 @@ class RetrievalRoutes:
     async def modify_vector_store(self, store_id: str, request: Request) -> Response:
         caller = caller_of(request)
         data = await self._json(request, STORE_UPDATE_FIELDS)
+        check_objects(data, "metadata", "expires_after")
         modified = self._retrieval().modify_store.remote(
             store_id, data.get("name"), data.get("metadata"), caller=caller
         )
@@ -278,6 +289,7 @@ class RetrievalRoutes:
     async def create_vector_store_file(self, store_id: str, request: Request) -> Response:
         caller = caller_of(request)
         data = await self._json(request, STORE_FILE_FIELDS)
+        check_objects(data, "attributes", "chunking_strategy")
         if not isinstance(data.get("file_id"), str):
             raise bad_request(
                 "Missing required parameter: 'file_id'.", param="file_id", code="missing_required_parameter"

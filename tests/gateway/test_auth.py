@@ -18,6 +18,7 @@ ROUTES = [
     ("GET", "/v1/models"),
     ("GET", "/v1/models/scripted"),
     ("GET", "/v1/admin/config"),
+    ("GET", "/openapi.json"),
     ("POST", "/v1/chat/completions"),
     ("POST", "/v1/completions"),
     ("POST", "/v1/embeddings"),

@@ -270,11 +270,6 @@ def test_concurrent_requests_and_release_on_finish(limited):
     assert limited.post("conc", _chat("[[tokens:1]]")).status_code == 200
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known bug (issue 10 note): after a client disconnects mid-stream the engine is cancelled at "
-    "once, but the stream's cleanup, which frees the concurrency slot, sometimes runs only >15 s later",
-)
 def test_a_disconnected_stream_frees_its_slot(limited, engine_events):
     slow = _chat("[[delay-ms:100]][[tokens:20]]", stream=True)
     headers = {"Authorization": f"Bearer {limited.keys['conc']}"}
