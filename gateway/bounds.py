@@ -68,11 +68,20 @@ async def within(response: DeploymentResponse, timeout_s: float | None, stage: s
     504 naming ``stage``. ``None`` waits as long as the call takes."""
     if timeout_s is None:
         return await response
+    awaited = asyncio.ensure_future(_awaited(response))
+    # A call cancelled while it is awaited here (the request was refused or the client left)
+    # ends in Serve's RequestCancelledError; nobody else will read it.
+    awaited.add_done_callback(_retrieved)
     try:
-        return await asyncio.wait_for(_awaited(response), timeout_s)
+        return await asyncio.wait_for(awaited, timeout_s)
     except asyncio.TimeoutError:
         response.cancel()
         raise timed_out(stage, timeout_s) from None
+
+
+def _retrieved(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 async def _awaited(response: DeploymentResponse) -> Any:

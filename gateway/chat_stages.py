@@ -1,8 +1,13 @@
-"""The chat path's stages before the engine: input rails, then retrieval.
+"""The chat path's stages before the engine: input rails, and retrieval beside them.
 
 Each function takes the collaborator it calls (a deployment handle), the model's current
 policy and the request, and either raises an ``APIError`` (the request is refused) or
-rewrites the request in place. ``Gateway.chat_completions`` calls them in order.
+rewrites the request in place. ``Gateway.chat_completions`` calls them in order, except that
+the retrieval search (``PendingSearch``) is submitted before the input rails are awaited: both
+need only the request, so the search's time hides behind the rails'. The Retriever (and the
+Embedder behind it) thus sees the user's text before a redaction; a redacted query is searched
+again, so the passages always answer the text the engine sees, and a refused request's search
+is cancelled.
 
 The input rails read the request as the client sent it (the JSON body), so every string a
 client controls is found wherever it sits: any role's content, content parts, names, tool
@@ -11,6 +16,7 @@ calls and their arguments, reasoning fields, tool definitions and template argum
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass, replace
 from typing import Any
@@ -248,6 +254,87 @@ def last_user_text(messages: list[dict[str, Any]]) -> str:
     return ""
 
 
+class PendingSearch:
+    """The retrieval search for the last user message, submitted as soon as the request is read
+    so that it runs while the input rails check the same request (both need only the request).
+    ``passages()`` awaits it; ``cancel()`` drops it (the rails refused the request). A redaction
+    that changes the query re-submits it with the redacted text (``submit`` again), so the
+    passages always answer the text the engine will see.
+
+    The policy's stores are the operator's (by id, or by a name among the operator's own
+    stores); a request may name only its caller's stores or the policy's. When the search fails
+    or times out, ``policy.on_error`` decides: answer without passages, or refuse (503/504). A
+    client's own mistake (an unknown store) stays a 4xx.
+    """
+
+    def __init__(
+        self,
+        retriever: DeploymentHandle | None,
+        model_id: str,
+        policy: RetrievalPolicy,
+        request: RetrievalRequest,
+        caller: Caller,
+        *,
+        timeout_s: float | None = None,
+        retry_after_s: float | None = None,
+    ):
+        self.model_id, self.policy, self.request, self.caller = model_id, policy, request, caller
+        self._retriever, self._timeout_s, self._retry_after_s = retriever, timeout_s, retry_after_s
+        enabled = policy.enabled if request.enabled is None else request.enabled
+        self.wanted = retriever is not None and enabled and bool(request.collections or policy.collections)
+        self.query = ""
+        self._response: Any = None
+        self._task: asyncio.Future | None = None
+
+    def submit(self, messages: list[dict[str, Any]]) -> PendingSearch:
+        """Search for the last user message's text, unless that search is already running."""
+        query = last_user_text(messages) if self.wanted else ""
+        if query == self.query:
+            return self
+        self.cancel()
+        self.query = query
+        if query:
+            self._response = self._retriever.retrieve.remote(
+                self.policy.collections,
+                self.request.collections,
+                query,
+                self.request.top_k or self.policy.top_k,
+                self.policy.min_score,
+                caller=self.caller,
+            )
+            self._task = asyncio.ensure_future(self._search(self._response))
+        return self
+
+    async def _search(self, response: Any) -> list[Passage]:
+        with metrics.stage("retrieval_search"):
+            return await call(within(response, self._timeout_s, "retrieval"), "retrieval", self._retry_after_s)
+
+    def cancel(self) -> None:
+        """Drop the search (the deployment call too, if it is still running)."""
+        task, self._task = self._task, None
+        if task is None:
+            return
+        if task.done():
+            if not task.cancelled():
+                task.exception()  # retrieved: no "exception never retrieved" warning
+        else:
+            task.cancel()
+            self._response.cancel()
+
+    async def passages(self) -> list[Passage]:
+        """The passages found ([] when retrieval does not apply, or failed and the policy answers
+        without them)."""
+        if self._task is None:
+            return []
+        try:
+            return await self._task
+        except Exception as exc:
+            if isinstance(exc, APIError) and exc.status < 500 and not isinstance(exc, RetryableError):
+                raise
+            _degrade(self.policy, self.model_id, "retrieval", exc, self._retry_after_s)
+            return []
+
+
 async def retrieval(
     retriever: DeploymentHandle,
     guard: DeploymentHandle | None,
@@ -262,36 +349,29 @@ async def retrieval(
     guardrails_timeout_s: float | None = None,
     retry_after_s: float | None = None,
 ) -> list[Passage]:
-    """Find passages for the last user message and put them in a system message at the
-    start of the conversation. Returns the passages used (for sources).
+    """Search (see ``PendingSearch``), then ``retrieved_passages``: the whole retrieval stage for
+    a path that has nothing to run beside the search."""
+    search = PendingSearch(
+        retriever, model_id, policy, request, caller, timeout_s=timeout_s, retry_after_s=retry_after_s
+    ).submit(messages)
+    return await retrieved_passages(
+        search, guard, guard_policy, messages, guardrails_timeout_s=guardrails_timeout_s, retry_after_s=retry_after_s
+    )
 
-    The policy's stores are the operator's (by id, or by a name among the operator's own
-    stores); a request may name only its caller's stores or the policy's. When the search or
-    the check of its passages fails or times out, ``policy.on_error`` decides: answer without
-    passages, or refuse (503/504). A client's own mistake (an unknown store) stays a 4xx.
-    """
-    enabled = policy.enabled if request.enabled is None else request.enabled
-    if not enabled or not (request.collections or policy.collections):
-        return []
-    query = last_user_text(messages)
-    if not query:
-        return []
-    try:
-        search = retriever.retrieve.remote(
-            policy.collections,
-            request.collections,
-            query,
-            request.top_k or policy.top_k,
-            policy.min_score,
-            caller=caller,
-        )
-        with metrics.stage("retrieval_search"):
-            passages: list[Passage] = await call(within(search, timeout_s, "retrieval"), "retrieval", retry_after_s)
-    except Exception as exc:
-        if isinstance(exc, APIError) and exc.status < 500 and not isinstance(exc, RetryableError):
-            raise
-        _degrade(policy, model_id, "retrieval", exc, retry_after_s)
-        return []
+
+async def retrieved_passages(
+    search: PendingSearch,
+    guard: DeploymentHandle | None,
+    guard_policy: GuardrailPolicy,
+    messages: list[dict[str, Any]],
+    *,
+    guardrails_timeout_s: float | None = None,
+    retry_after_s: float | None = None,
+) -> list[Passage]:
+    """Await the search's passages, check them with the same rails, and put them in a system
+    message at the start of the conversation. Returns the passages used (for sources)."""
+    policy, model_id = search.policy, search.model_id
+    passages = await search.passages()
     if passages and guard is not None and guard_policy.enabled:
         try:
             with metrics.stage("passage_check"):

@@ -1,9 +1,9 @@
 """The gateway's HTTP ingress: OpenAI routes on FastAPI, deployed by Ray Serve.
 
 A chat request follows one straight path, written out in ``chat_completions``:
-parse -> resolve the model -> input rails -> retrieval -> engine with output rails on
-its stream. Each stage is a deployment handed to the constructor; the ingress calls
-them in order and they never call each other.
+parse -> resolve the model -> input rails, with the retrieval search running beside them
+-> passage check -> engine with output rails on its stream. Each stage is a deployment
+handed to the constructor; the ingress calls them in order and they never call each other.
 """
 
 from __future__ import annotations
@@ -124,34 +124,45 @@ class Gateway(RetrievalRoutes, ResponsesRoutes):
         # 0. the model's request defaults and caps, before the request is read
         request_policy.apply(policy.requests, data, chat=True)
         chat = parse_chat_request(data)
-        # 1. input rails over every text the client wrote: refuse (400 naming the policy) or
-        #    redact before anything else sees the text
-        if policy.guardrails.enabled and self._guard is not None:
-            texts = chat_stages.chat_texts(data)
-            if await chat_stages.input_rails(self._guard, chat.model, policy.guardrails, texts, **self._rail_bounds()):
-                chat = parse_chat_request(data)
-        # 2. retrieval: passages (checked by the same rails) go into a leading system message
         wanted = chat_stages.RetrievalRequest.parse(extensions.get("retrieval"), policy.retrieval)
-        passages = []
-        if self._retriever is not None:
-            passages = await chat_stages.retrieval(
-                self._retriever,
-                self._guard,
-                chat.model,
-                policy.retrieval,
-                policy.guardrails,
-                wanted,
-                chat.messages,
-                retrieval_caller(principal),
-                timeout_s=self._settings.timeouts.retrieval_s,
-                guardrails_timeout_s=self._settings.timeouts.guardrails_s,
-                retry_after_s=self._settings.retry_after_s,
-            )
+        # 1. the retrieval search for the last user message, submitted now: it needs only the
+        #    request, so it runs while 2. the input rails check every text the client wrote
+        search = chat_stages.PendingSearch(
+            self._retriever,
+            chat.model,
+            policy.retrieval,
+            wanted,
+            retrieval_caller(principal),
+            timeout_s=self._settings.timeouts.retrieval_s,
+            retry_after_s=self._settings.retry_after_s,
+        ).submit(chat.messages)
+        try:
+            # The rails refuse (400 naming the policy; the search is dropped) or redact before
+            # the engine sees the text (a redacted query is searched again).
+            if policy.guardrails.enabled and self._guard is not None:
+                texts = chat_stages.chat_texts(data)
+                if await chat_stages.input_rails(
+                    self._guard, chat.model, policy.guardrails, texts, **self._rail_bounds()
+                ):
+                    chat = parse_chat_request(data)
+                    search.submit(chat.messages)
+        except BaseException:
+            search.cancel()
+            raise
+        # 3. the passages found, checked by the same rails, go into a leading system message
+        passages = await chat_stages.retrieved_passages(
+            search,
+            self._guard,
+            policy.guardrails,
+            chat.messages,
+            guardrails_timeout_s=self._settings.timeouts.guardrails_s,
+            retry_after_s=self._settings.retry_after_s,
+        )
         # Sources name documents: sent (as a header) only if the policy or the request asks,
         # and in the body (an extension field strict clients would not expect) only on request.
         show_sources = passages and (wanted.return_sources or policy.retrieval.return_sources)
         sources = [chat_stages.source_of(p) for p in passages] if show_sources else None
-        # 3. the engine, with 4. output rails on its stream (or on the whole answer)
+        # 4. the engine, with 5. output rails on its stream (or on the whole answer)
         rails = policy.guardrails if policy.guardrails.enabled and policy.guardrails.output.enabled else None
         if rails:
             refuse_unguardable(chat)  # token ids instead of text would pass the output rails unread
