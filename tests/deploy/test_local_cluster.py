@@ -2,15 +2,22 @@
 controller, the ingress) and two worker nodes offering the ``engine`` resource, each a separate
 ``ray start`` process. The scripted engine's replica must run on a worker; then that worker's
 raylet is SIGKILLed under steady load, and Serve must bring the engine back on the other one.
+With two engine replicas (one per worker), one replica actor is killed under streaming load; and
+with autoscaling (1 to 2 replicas), load makes Serve add a replica and its end removes it again.
 
-Marked ``cluster``: it starts its own Ray cluster (about 3 minutes on 2 idle cores), apart from
-the session's single-node Ray.
+Marked ``cluster``: it starts its own Ray cluster (about 3 minutes on 2 idle cores; the two
+replica tests add about 5), apart from the session's single-node Ray.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -43,15 +50,23 @@ def cluster(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def gateway(cluster, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("cluster-config")
-    port = free_port()
+def gateway_files(tmp_path_factory) -> tuple:
+    """The config folder and the gateway's port (the head's Serve proxy)."""
+    return tmp_path_factory.mktemp("cluster-config"), free_port()
+
+
+def _apply(cluster, files, deployment: dict | None = None) -> None:
+    """Write the scripted model's and the gateway's files and apply them; ``deployment`` is
+    the model file's ``deployment`` section (none: one replica)."""
+    folder, port = files
     model = {
         "model_id": "scripted",
         "source": {"path": "/nonexistent/scripted"},
         "engine": {"stream_batching_interval_ms": 0},
         "placement": {"accelerator": "cpu", "cpus_per_worker": 0.1, "resources": {"engine": 1}},
     }
+    if deployment is not None:
+        model["deployment"] = deployment
     stages = {"resources": {"stages": 0.01}}
     config = {
         "host": "127.0.0.1",
@@ -68,7 +83,12 @@ def gateway(cluster, tmp_path_factory):
     deploy.apply(
         load_config(folder / "gateway.yaml"), address=cluster.dashboard, engine_cls=SCRIPTED_ENGINE, timeout_s=600
     )
-    return f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def gateway(cluster, gateway_files):
+    _apply(cluster, gateway_files)
+    return f"http://127.0.0.1:{gateway_files[1]}"
 
 
 def _replicas(cluster, app: str, deployment: str) -> list[dict]:
@@ -84,6 +104,227 @@ def _running_on(cluster, app: str, deployment: str) -> set[str]:
 def _chat(base: str, text: str, timeout: float = 30) -> httpx.Response:
     body = {"model": "scripted", "messages": [{"role": "user", "content": text}], "max_tokens": 16}
     return httpx.post(f"{base}/v1/chat/completions", json=body, timeout=timeout)
+
+
+@pytest.fixture
+def engine_deployment(cluster, gateway, gateway_files):
+    """Apply the scripted model with a ``deployment`` section; back to one replica afterwards."""
+    yield lambda deployment: _apply(cluster, gateway_files, deployment)
+    _apply(cluster, gateway_files)
+
+
+def _engine_states(cluster) -> dict[str, int]:
+    """Replica states of the engine deployment: what ``serve status`` shows (Serve's REST API)."""
+    states: dict[str, int] = {}
+    for replica in _replicas(cluster, ENGINE_APP, ENGINE_DEPLOYMENT):
+        states[replica["state"]] = states.get(replica["state"], 0) + 1
+    return states
+
+
+def _kill_actor(cluster, name: str) -> None:
+    """``ray kill-actor --force --no-restart``: ``ray.kill(actor)`` from Ray's CLI. (A driver in
+    this process cannot join the cluster: it imported Ray before the cluster's token auth mode
+    could be set in its environment.)"""
+    env = dict(os.environ, RAY_AUTH_MODE="token") if deploy.ray_auth_token() else None
+    ray = str(Path(sys.executable).with_name("ray"))
+    args = ["kill-actor", f"--address={cluster.address}", f"--name={name}", "--namespace=serve", "--force"]
+    subprocess.run([ray, *args, "--no-restart"], env=env, check=True, timeout=120, capture_output=True)
+
+
+STREAM_TOKENS = 100
+SLOW_STREAM = f"[[delay-ms:100]][[tokens:{STREAM_TOKENS}]]"  # about 10 s per stream
+
+
+class StreamLoad:
+    """``clients`` threads, each streaming one slow scripted chat after another. Every stream's
+    (start, end, outcome): ``ok`` (every token, then [DONE]), ``error`` (an error event, then
+    [DONE]), ``torn`` (no [DONE]), ``malformed``, ``http-<status>``, or ``exception`` (a hang past the timeout,
+    a dropped connection)."""
+
+    def __init__(self, base: str, clients: int):
+        self.base, self.outcomes, self.in_flight = base, [], 0
+        self._stop, self._lock = threading.Event(), threading.Lock()
+        self._threads = [threading.Thread(target=self._client, daemon=True) for _ in range(clients)]
+        for t in self._threads:
+            t.start()
+
+    def _client(self) -> None:
+        body = {
+            "model": "scripted",
+            "stream": True,
+            "messages": [{"role": "system", "content": SLOW_STREAM}, {"role": "user", "content": "go"}],
+        }
+        while not self._stop.is_set():
+            began = time.monotonic()
+            with self._lock:
+                self.in_flight += 1
+            try:
+                with httpx.stream("POST", f"{self.base}/v1/chat/completions", json=body, timeout=60) as r:
+                    lines = [line for line in r.iter_lines() if line]
+                outcome = _stream_outcome(r.status_code, lines)
+            except httpx.HTTPError:
+                outcome = "exception"
+            with self._lock:
+                self.in_flight -= 1
+                self.outcomes.append((began, time.monotonic(), outcome))
+
+    def stop(self) -> list[tuple[float, float, str]]:
+        self._stop.set()
+        for t in self._threads:
+            t.join(90)
+        assert not any(t.is_alive() for t in self._threads), "a client hung"
+        return self.outcomes
+
+
+def _stream_outcome(status: int, lines: list[str]) -> str:
+    if status != 200:
+        return f"http-{status}"
+    if not lines or lines[-1] != "data: [DONE]":
+        return "torn"
+    if any('"error"' in line for line in lines[-3:]):
+        return "error"
+    try:
+        chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    except ValueError:
+        return "malformed"
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
+    return "ok" if text.split() == [f"t{i}" for i in range(STREAM_TOKENS)] else f"short-{len(text.split())}"
+
+
+def test_a_killed_engine_replica_under_load(cluster, gateway, engine_deployment):
+    engine_deployment({"num_replicas": 2})
+    # One `engine` resource per worker: one replica on each.
+    assert _running_on(cluster, ENGINE_APP, ENGINE_DEPLOYMENT) == {"worker-1", "worker-2"}
+    before = [r["actor_name"] for r in _replicas(cluster, ENGINE_APP, ENGINE_DEPLOYMENT) if r["state"] == "RUNNING"]
+    assert len(before) == 2, before
+    load = StreamLoad(gateway, clients=4)
+    time.sleep(5)
+    victim = before[0]
+    kill_began = time.monotonic()
+    _kill_actor(cluster, victim)
+    killed_at = time.monotonic()  # the CLI has returned: the actor is dead
+
+    def replaced() -> bool:
+        running = [
+            r["actor_name"] for r in _replicas(cluster, ENGINE_APP, ENGINE_DEPLOYMENT) if r["state"] == "RUNNING"
+        ]
+        return len(running) == 2 and victim not in running
+
+    try:
+        replaced_at = _until(replaced, 300, "the killed replica replaced (2 RUNNING again)")
+        time.sleep(12)  # load on both replicas again
+    finally:
+        outcomes = load.stop()
+
+    # In flight at the kill: began before the CLI was called, still going then. (The CLI
+    # returns seconds after the actor is dead: the streams on it have ended by then.)
+    in_flight = [o for b, e, o in outcomes if b < kill_began < e]
+    # New requests (began after the kill) are served, by the surviving replica until the
+    # replacement runs.
+    new = [(b, o) for b, _, o in outcomes if b > killed_at]
+    by_survivor = [o for b, o in new if b < replaced_at]
+    failed_new = [b - killed_at for b, o in new if o != "ok"]
+    last_failure = max((e for _, e, o in outcomes if o != "ok"), default=killed_at)
+    recovered = next((e for b, e, o in outcomes if o == "ok" and b > last_failure), float("nan"))
+    served = sum(1 for *_, o in outcomes if o == "ok")
+    failed_at = ", ".join(f"+{t:.1f}s" for t in failed_new)
+    print(
+        f"\nreplica kill under load (4 streaming clients, 10 s streams; the kill CLI took "
+        f"{killed_at - kill_began:.1f}s): {len(outcomes)} streams, {served} served, {len(outcomes) - served} failed "
+        f"({sorted(set(o for *_, o in outcomes))}); in flight across the kill: {in_flight}; "
+        f"{len(failed_new)} begun after the kill failed{' (at ' + failed_at + ')' if failed_new else ''}; "
+        f"{len(by_survivor)} begun before the replacement ran, {by_survivor.count('ok')} served; replacement "
+        f"RUNNING {replaced_at - killed_at:.1f}s after the kill; every stream served from "
+        f"+{recovered - killed_at:.1f}s"
+    )
+    bad = [o for *_, o in outcomes if o not in ("ok", "error")]
+    assert not bad, f"streams neither completed nor ended with an error event and [DONE]: {bad}"
+    assert all(b < kill_began for b, _, o in outcomes if o != "ok"), "a stream begun after the kill failed"
+    assert "error" in in_flight, f"no stream in flight on the killed replica ended with an error: {in_flight}"
+    assert "ok" in by_survivor, f"no request served between the kill and the replacement: {by_survivor}"
+    assert not failed_new or max(failed_new) < replaced_at - killed_at, "requests still failing once replaced"
+
+
+class Timeline:
+    """Every second: the engine's replica states and Serve's target replica count (Serve's REST
+    API, what ``serve status`` shows) and the streams in flight (each one ongoing at the engine)."""
+
+    def __init__(self, cluster):
+        self.cluster, self.rows, self.load = cluster, [], None
+        self.started = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            at = time.monotonic()
+            try:
+                apps = deploy.ServeAPI(self.cluster.dashboard).details()["applications"]
+                engine = apps[ENGINE_APP]["deployments"][ENGINE_DEPLOYMENT]
+                target, states = engine["target_num_replicas"], {}
+                for replica in engine["replicas"]:
+                    states[replica["state"]] = states.get(replica["state"], 0) + 1
+            except Exception as exc:  # a slow or restarting controller: a gap in the timeline
+                target, states = None, {"error": type(exc).__name__}
+            load = self.load
+            self.rows.append(
+                (at - self.started, states.get("RUNNING", 0), target, load.in_flight if load else 0, states)
+            )
+            self._stop.wait(max(0.0, 1 - (time.monotonic() - at)))
+
+    def running(self) -> int:
+        return self.rows[-1][1] if self.rows else 0
+
+    def settled(self, replicas: int) -> bool:
+        return bool(self.rows) and self.rows[-1][4] == {"RUNNING": replicas}
+
+    def stop(self) -> str:
+        self._stop.set()
+        self._thread.join(30)
+        lines = ["   t  running  target  in-flight  replica states"]
+        lines += [f"{t:4.0f}  {r:7d}  {g!s:>6}  {f:9d}  {s}" for t, r, g, f, s in self.rows]
+        return "\n".join(lines)
+
+
+AUTOSCALING = {
+    "min_replicas": 1,
+    "max_replicas": 2,
+    "target_ongoing_requests": 1,
+    "upscale_delay_s": 2,
+    "downscale_delay_s": 5,
+}
+
+
+def test_engine_autoscales_up_under_load_and_back_down(cluster, gateway, engine_deployment):
+    engine_deployment({"autoscaling": AUTOSCALING})
+    _until(lambda: _engine_states(cluster) == {"RUNNING": 1}, 120, "one engine replica at min_replicas")
+    timeline = Timeline(cluster)
+    time.sleep(3)
+    timeline.load = load = StreamLoad(gateway, clients=4)
+    load_at = time.monotonic()
+    try:
+        up_at = _until(lambda: timeline.running() == 2, 180, "2 replicas under load")
+        time.sleep(10)
+    finally:
+        outcomes = load.stop()
+        stopped_at = time.monotonic()
+        timeline.load = None
+    try:
+        down_at = _until(lambda: timeline.settled(1), 300, "back to 1 replica once the load stopped")
+        time.sleep(3)
+    finally:
+        print("\n" + timeline.stop())
+    served = sum(1 for *_, o in outcomes if o == "ok")
+    up_decided = next(t for t, _, g, *_ in timeline.rows if g == 2) + timeline.started - load_at
+    down_decided = next(t for t, _, g, *_ in timeline.rows if t + timeline.started > stopped_at and g == 1)
+    print(
+        f"autoscaling {AUTOSCALING}, 4 streaming clients (10 s streams): Serve's target 1 -> 2 "
+        f"{up_decided:.1f}s after the load began, 2 replicas RUNNING after {up_at - load_at:.1f}s; target back "
+        f"to 1 {down_decided + timeline.started - stopped_at:.1f}s after the load stopped, 1 replica left after "
+        f"{down_at - stopped_at:.1f}s; {len(outcomes)} streams, {served} served"
+    )
+    assert served == len(outcomes), [o for *_, o in outcomes if o != "ok"]
 
 
 def test_engine_on_a_worker_serves_and_comes_back_after_its_node_dies(cluster, gateway):
