@@ -72,7 +72,7 @@ class EmbeddingSettings(StrictModel):
     path: str | None = Field(None, description="or: a sentence-transformers folder")
     model: EmbeddingModelConfig = EmbeddingModelConfig()
     num_replicas: int = Field(1, ge=1)
-    # Calls waiting per caller (each input of /v1/embeddings and each chunk being indexed is one);
+    # Calls waiting per caller (each 64 inputs of /v1/embeddings and each chunk being indexed is one);
     # past it callers get 503 with Retry-After.
     max_queued_requests: int = Field(4096, ge=1)
     # Ray's CPU accounting is for scheduling: on a 2-core box the engine takes one core,

@@ -34,6 +34,7 @@ from retrieval.errors import RetrievalError
 from retrieval.tenancy import Caller
 
 MAX_EMBEDDING_INPUTS = 2048
+EMBEDDING_CALL_INPUTS = 64
 # An upload's multipart framing and its small fields (purpose), beyond the file itself.
 MULTIPART_OVERHEAD_BYTES = 64 * 1024
 MAX_FORM_FIELD_BYTES = 1024
@@ -143,15 +144,14 @@ class RetrievalRoutes:
         dimensions = data.get("dimensions")
         if dimensions is not None and dimensions != 384:
             raise bad_request(f"'dimensions' must be 384 for {model}.", param="dimensions", code="invalid_value")
-        # One call per input so the embedding deployment batches them with other requests.
+        # Calls of up to EMBEDDING_CALL_INPUTS inputs: few Serve hops for a long list, spread over
+        # the embedding replicas, whose batcher mixes them with other requests' inputs.
         calls = [
-            self._embedder.embed_tokens.remote(item, index=i)
-            if isinstance(item, list)
-            else self._embedder.embed.remote(item, index=i)
-            for i, item in enumerate(inputs)
+            self._embedder.embed_many.remote(inputs[i : i + EMBEDDING_CALL_INPUTS], start=i)
+            for i in range(0, len(inputs), EMBEDDING_CALL_INPUTS)
         ]
         counts = self._embedder.count_tokens.remote([t for t in inputs if isinstance(t, str)])
-        vectors = await call(asyncio.gather(*calls), "embedder")
+        vectors = [v for part in await call(asyncio.gather(*calls), "embedder") for v in part]
         tokens = sum(await call(counts, "embedder")) + sum(len(t) + 2 for t in inputs if isinstance(t, list))
         meter = meter_of(request)
         if meter is not None:

@@ -298,6 +298,21 @@ class Embedder:
         self._check_length(len(wrapped), index)
         return await self._batched(QueuedInput(wrapped, time.perf_counter()))
 
+    async def embed_many(self, inputs: list[str | list[int]], *, start: int = 0) -> list[np.ndarray]:
+        """The vectors of several inputs (texts or token-id lists) in one call: each still goes
+        through the batcher, with every other caller's, so a long list costs one Serve hop, not
+        one per input. ``start`` is the first input's position in the caller's request."""
+        return list(
+            await asyncio.gather(
+                *(
+                    self.embed_tokens(item, index=start + i)
+                    if isinstance(item, list)
+                    else self.embed(item, index=start + i)
+                    for i, item in enumerate(inputs)
+                )
+            )
+        )
+
     async def count_tokens(self, texts: list[str]) -> list[int]:
         """Token count of each text, special tokens included (what ``max_tokens`` limits)."""
         return await asyncio.to_thread(self._encoder.count_tokens, texts)
