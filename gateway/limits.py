@@ -102,8 +102,8 @@ async def enforce_limits(request: Request) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        # A stream settles when it ends (``Meter.follow``): this may run as soon as the route
-        # has returned its response, before the body is sent.
+        # A stream settles when its response ends (``Meter.close``, gateway/sse.py): this may
+        # run as soon as the route has returned its response, before the body is sent.
         if meter is not None and not meter.streaming:
             meter.finish()
 
