@@ -9,6 +9,7 @@ subprocess, serving SmolLM2 through vLLM; see tests/test_real_vllm.py.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from pathlib import Path
@@ -217,3 +218,22 @@ def engine_events(recorder):
         return [e for e in got if kind is None or e["event"] == kind]
 
     return events
+
+
+@contextlib.contextmanager
+def tidy_operator_client(gateway_url: str):
+    """An operator's httpx client; the vector stores and files created while it is open (by a
+    sweep or a fuzzer that cannot know what its requests made) are deleted when it closes."""
+    import httpx
+
+    def owned(c) -> dict[str, set[str]]:
+        stores = c.get("/v1/vector_stores", params={"limit": 100}).json()["data"]
+        files = c.get("/v1/files").json()["data"]
+        return {"vector_stores": {s["id"] for s in stores}, "files": {f["id"] for f in files}}
+
+    with httpx.Client(base_url=gateway_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30) as c:
+        before = owned(c)
+        yield c
+        for kind, ids in owned(c).items():
+            for ident in ids - before[kind]:
+                c.delete(f"/v1/{kind}/{ident}")

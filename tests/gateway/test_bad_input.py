@@ -14,7 +14,7 @@ import json
 import httpx
 import pytest
 
-from tests.conftest import API_KEY
+from tests.conftest import tidy_operator_client
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 EMBEDDING_MODEL = "all-MiniLM-L6-v2"
@@ -207,18 +207,8 @@ def send(http: httpx.Client, method: str, path: str, **kwargs) -> httpx.Response
 @pytest.fixture(scope="module")
 def bad_http(gateway_url):
     """An operator client; the stores and files the sweep happens to create are removed after."""
-    with httpx.Client(base_url=gateway_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30) as c:
-        before = _owned(c)
+    with tidy_operator_client(gateway_url) as c:
         yield c
-        for kind, ids in _owned(c).items():
-            for ident in ids - before[kind]:
-                c.delete(f"/v1/{kind}/{ident}")
-
-
-def _owned(c: httpx.Client) -> dict[str, set[str]]:
-    stores = c.get("/v1/vector_stores", params={"limit": 100}).json()["data"]
-    files = c.get("/v1/files").json()["data"]
-    return {"vector_stores": {s["id"] for s in stores}, "files": {f["id"] for f in files}}
 
 
 def test_every_route_is_covered():

@@ -30,7 +30,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from tests.conftest import API_KEY
+from tests.conftest import API_KEY, tidy_operator_client
 
 EXAMPLES = int(os.environ.get("GATEWAY_FUZZ_EXAMPLES", "12"))
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -68,18 +68,8 @@ def description(gateway_url) -> dict:
 @pytest.fixture
 def fuzz_client(gateway_url):
     """The stores and files the fuzzer happens to create are removed afterwards."""
-    with httpx.Client(base_url=gateway_url, headers=AUTH, timeout=30) as c:
-        before = _owned(c)
+    with tidy_operator_client(gateway_url) as c:
         yield c
-        for kind, ids in _owned(c).items():
-            for ident in ids - before[kind]:
-                c.delete(f"/v1/{kind}/{ident}")
-
-
-def _owned(c: httpx.Client) -> dict[str, set[str]]:
-    stores = c.get("/v1/vector_stores", params={"limit": 100}).json()["data"]
-    files = c.get("/v1/files").json()["data"]
-    return {"vector_stores": {s["id"] for s in stores}, "files": {f["id"] for f in files}}
 
 
 def test_description_needs_a_key(gateway_url):
