@@ -147,6 +147,7 @@ class EngineClient:
         strip_usage = metrics.ask_for_usage(request)  # tokens are counted for every stream
         first, gen = await self.call(method, request)
         if not isinstance(first, list):  # non-streaming: a single response object
+            await finish_call(gen)
             body = response_body(first)
             metrics.note_usage(body.get("usage"))
             if meter is not None:
@@ -164,6 +165,21 @@ class EngineClient:
         if meter is not None:
             meter.follow_stream()
         return sse.EventStream(stream, headers, on_close=meter.close if meter is not None else None)
+
+
+async def finish_call(gen: DeploymentResponseGenerator, wait_s: float = 1.0) -> None:
+    """Let a one-item engine call end before its answer is sent, so the replica's slot is free
+    by the time the client can send its next request (else a client that sends requests one
+    after another can meet its own finished request still counted against
+    ``max_ongoing_requests``). Cancelled if it has not ended within ``wait_s``."""
+    try:
+        async with asyncio.timeout(wait_s):
+            async for _ in gen:
+                pass
+    except TimeoutError:
+        gen.cancel()
+    except Exception as exc:  # the answer is already in hand; the call's end is not worth a 500
+        logger.debug("engine call ended with %s after its answer", type(exc).__name__)
 
 
 async def relay_stream(

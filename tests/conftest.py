@@ -23,6 +23,11 @@ from gateway.__main__ import RAY_ENV_DEFAULTS
 # modules load, in this driver as well as in every process Ray starts.
 for _key, _value in RAY_ENV_DEFAULTS.items():
     os.environ.setdefault(_key, _value)
+# That mode (direct ingress) holds every stopping ingress replica, the engines' included, open
+# for 30 s so load balancers can deregister it, which made each `serve.delete` and replica
+# replacement here cost 31 s. Nothing balances load in front of the tests: 2 s is enough.
+# The drain still waits for requests in flight.
+os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2")
 # Tests call deployment handles synchronously (`.remote().result()`), which Serve allows only
 # with the router on its own event loop. This process reads the setting now, as pytest
 # imports Ray; `ray_session` removes it before Ray starts, so every Ray process runs the

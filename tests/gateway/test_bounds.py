@@ -192,11 +192,15 @@ def test_full_engine_queue_is_a_503_with_retry_after(bounds_url, engine_events):
 
 
 def test_openai_sdk_retries_an_overload_and_gets_through(bounds_url):
-    """With Retry-After the SDK's own retry logic takes a refused request through."""
-    from openai import OpenAI
+    """With Retry-After the SDK's own retry logic takes a refused request through: the patient
+    client's first try is refused (one request runs, one waits: the queue is full) and a retry
+    is answered."""
+    from openai import DefaultHttpxClient, OpenAI
 
+    statuses: list[int] = []
+    seen = DefaultHttpxClient(event_hooks={"response": [lambda r: statuses.append(r.status_code)]})
     hold = OpenAI(base_url=bounds_url + "/v1", api_key=API_KEY, max_retries=0, timeout=30)
-    patient = OpenAI(base_url=bounds_url + "/v1", api_key=API_KEY, max_retries=3, timeout=30)
+    patient = OpenAI(base_url=bounds_url + "/v1", api_key=API_KEY, max_retries=3, timeout=30, http_client=seen)
     with ThreadPoolExecutor(3) as pool:
         busy = [
             pool.submit(hold.chat.completions.create, model=BOUNDS_MODEL, messages=[{"role": "user", "content": p}])
@@ -209,6 +213,7 @@ def test_openai_sdk_retries_an_overload_and_gets_through(bounds_url):
         for f in busy:
             f.result()
     assert reply.choices[0].message.content == "through"
+    assert statuses[0] == 503 and statuses[-1] == 200, statuses
 
 
 def test_bounds_app_body_limit(bounds, engine_events):
