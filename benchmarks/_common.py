@@ -5,6 +5,7 @@ matplotlib when it is installed (the optional ``bench`` extra)."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
 import signal
@@ -213,6 +214,24 @@ class Progress:
             file=sys.stderr,
             flush=True,
         )
+
+
+async def closed_loop(clients: int, seconds: float, call, label: str) -> tuple[list, float]:
+    """``clients`` clients, each awaiting ``call(client, i)`` one after another for ``seconds``,
+    with a progress line. A call begun before the end runs to its end; the time returned
+    includes it. Returns every call's result and that time."""
+    rows: list = []
+    progress, started = Progress(seconds, label, every_s=10), time.perf_counter()
+
+    async def client(c: int) -> None:
+        i = 0
+        while time.perf_counter() - started < seconds:
+            rows.append(await call(c, i))
+            i += 1
+            progress.update(min(seconds, time.perf_counter() - started), f"{len(rows)} done")
+
+    await asyncio.gather(*(client(c) for c in range(clients)))
+    return rows, time.perf_counter() - started
 
 
 def pyplot():

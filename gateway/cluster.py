@@ -154,6 +154,8 @@ class LocalCluster:
                 f"--num-cpus={num_cpus}",
                 f"--resources={json.dumps(resources)}",
                 f"--labels={json.dumps({NODE_LABEL: 'head'})}",
+                # Not the fixed default (52365): another Ray on this machine may hold it.
+                f"--dashboard-agent-listen-port={free_port()}",
             ],
             self._env(env),
         )
