@@ -72,6 +72,10 @@ def load_level(port: int, model: str, tokenizer: str, concurrency: int, args, ou
         "--ignore-eos",
         "--num-prompts",
         str(prompts),
+        # Unmeasured requests first: vLLM's first requests of a new prompt shape are slow (one
+        # waited 30-44 s at concurrency 1), which is warm-up, not capacity (cold start is timed apart).
+        "--num-warmups",
+        str(max(2, concurrency)),
         "--max-concurrency",
         str(concurrency),
         "--seed",

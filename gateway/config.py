@@ -126,6 +126,12 @@ class TimeoutSettings(StrictModel):
     stream_idle_s: float = Field(30.0, gt=0, description="longest gap between two chunks of a stream")
     total_s: float = Field(600.0, gt=0, description="the engine call, from the request to its last chunk")
 
+    @property
+    def longest_request_s(self) -> float:
+        """The most a model request can last: input rails, retrieval, the passages' check and
+        the engine call, each at its bound (a limiter lease expires after this at the latest)."""
+        return 2 * self.guardrails_s + self.retrieval_s + self.total_s
+
 
 # An origin is what browsers send in `Origin`: scheme, host and port, no path or trailing slash.
 _ORIGIN = re.compile(r"^https?://[^/\s]+$")

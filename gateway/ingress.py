@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 SOURCES_HEADER = "X-Retrieval-Sources"
 # The version of the model config that produced a response (see ModelFile.policy).
 CONFIG_VERSION_HEADER = "X-Config-Version"
+LEASE_MARGIN_S = 30.0  # beyond a request's stage timeouts: the answer's sending, the limiter call
 
 
 @serve.deployment(name="Gateway")
@@ -60,7 +61,15 @@ class Gateway(RetrievalRoutes, ResponsesRoutes):
     ):
         self._settings = settings
         # Per-key limits: read by gateway.limits.enforce_limits, the app's dependency.
-        self.limits = RequestLimits(settings.limits, limiter, self._limited_model, settings.max_request_bytes)
+        self.limits = RequestLimits(
+            settings.limits,
+            limiter,
+            self._limited_model,
+            settings.max_request_bytes,
+            # A slot whose settlement never came is freed once its request must be over (plus
+            # time to send the answer), not only after lease_ttl_s.
+            lifetime_s=settings.timeouts.longest_request_s + LEASE_MARGIN_S,
+        )
         # Stored responses (/v1/responses), on disk and owned per principal.
         self._responses = ResponseStore(Path(responses_dir)) if responses_dir else None
         # The models and their policies arrive through `reconfigure` (Serve's user_config).

@@ -53,6 +53,9 @@ class Ask:
     budget_tokens: int | None = None
     budget_period: str = "day"
     open_ended: bool = False  # no max_tokens known: a budget reserves all that is left
+    # The request cannot outlive this (its stages' timeouts): its lease expires then at the
+    # latest, so a slot whose settlement never came is not held for the whole lease_ttl_s.
+    lifetime_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -224,7 +227,7 @@ class LimiterState:
             tuple(token_scopes),
             ask.estimate,
             budget_reserved,
-            now + self.lease_ttl_s,
+            now + min(self.lease_ttl_s, ask.lifetime_s or self.lease_ttl_s),
         )
         requests, tokens = self._headers(scopes, now)
         return Verdict(True, lease, requests=requests, tokens=tokens, allowance=allowance, period=period)

@@ -124,10 +124,13 @@ class RequestLimits:
         limiter: DeploymentHandle | None,
         resolve: Callable[[str], tuple[str, int | None] | None],
         max_request_bytes: int,
+        lifetime_s: float | None = None,
     ):
+        """``lifetime_s``: the longest a request can last; its lease expires after that."""
         from ray.serve.metrics import Counter
 
         self._settings = settings
+        self._lifetime_s = lifetime_s
         self._limiter = limiter
         self._resolve = resolve
         self._max_bytes = max_request_bytes
@@ -166,12 +169,18 @@ class RequestLimits:
         ask = await self._ask(request, principal.name, limits)
         if ask is None:
             return None
+        call = asyncio.ensure_future(self._admit(ask))
+        self._pending.add(call)
+        call.add_done_callback(self._pending.discard)
         try:
             with metrics.stage("limiter"):
-                verdict: Verdict = await asyncio.wait_for(
-                    self._limiter.admit.remote(ask), self._settings.limiter_timeout_s
-                )
-        except Exception as exc:  # unreachable, dead, timed out: the configured behaviour
+                verdict: Verdict = await asyncio.wait_for(asyncio.shield(call), self._settings.limiter_timeout_s)
+        except BaseException as exc:
+            # Timed out, or the client left meanwhile: the limiter may still admit the request
+            # later, and that lease would hold its slot until lease_ttl_s. Give it back then.
+            call.add_done_callback(lambda done: self._give_back(done, ask.key))
+            if not isinstance(exc, Exception):
+                raise
             outcome = self._settings.on_limiter_failure
             self._failures.inc(tags={"outcome": outcome})
             now = time.monotonic()
@@ -188,6 +197,17 @@ class RequestLimits:
         meter = Meter(self, ask.key, verdict)
         setattr(request.state, METER_STATE, meter)
         return meter
+
+    async def _admit(self, ask: Ask) -> Verdict:
+        return await self._limiter.admit.remote(ask)
+
+    def _give_back(self, call: asyncio.Future, key: str) -> None:
+        """A lease granted after its request stopped waiting for it: settled at once, no tokens."""
+        if call.cancelled() or call.exception() is not None:
+            return
+        verdict: Verdict = call.result()
+        if verdict.allowed and verdict.lease is not None:
+            self.settle(Settlement(verdict.lease, key, 0, 0, verdict.period))
 
     async def _ask(self, request: Request, key: str, limits: KeyLimits) -> Ask | None:
         model_id, estimate, open_ended = None, 0, False
@@ -227,6 +247,7 @@ class RequestLimits:
             budget_tokens=budget.tokens if budget else None,
             budget_period=budget.period if budget else "day",
             open_ended=open_ended,
+            lifetime_s=self._lifetime_s,
         )
 
     def settle(self, settlement: Settlement) -> None:

@@ -4,6 +4,7 @@ openai SDK and raw HTTP. Windows are 10 s (tests/fixtures/limits-gateway.yaml)."
 
 from __future__ import annotations
 
+import asyncio
 import json
 import statistics
 import threading
@@ -542,6 +543,32 @@ def test_budget_allowance_and_refusals():
     assert state.admit(_ask(estimate=1, budget=50), wall=time.time() + 86400).allowed
 
 
+def test_a_lease_never_settled_expires_when_its_request_must_be_over():
+    """A slot whose settlement never arrives is freed after the request's longest life (its
+    stages' timeouts), not after the limiter-wide lease_ttl_s (3600 s here)."""
+    import dataclasses
+
+    state, clock = _state()
+    ask = dataclasses.replace(_ask(conc=1), lifetime_s=40.0)
+    assert state.admit(ask).allowed  # and never settled
+    clock.t += 39
+    assert not state.admit(ask).allowed
+    clock.t += 2
+    assert state.admit(ask).allowed
+    # Without a lifetime, lease_ttl_s applies.
+    state, clock = _state()
+    assert state.admit(_ask(conc=1)).allowed
+    clock.t += 3599
+    assert not state.admit(_ask(conc=1)).allowed
+
+
+def test_the_lease_lifetime_covers_every_stage_of_a_request():
+    from gateway.config import TimeoutSettings
+
+    t = TimeoutSettings(guardrails_s=1, retrieval_s=2, first_token_s=3, stream_idle_s=4, total_s=5)
+    assert t.longest_request_s == 2 * 1 + 2 + 5  # input rails, retrieval, passages' check, engine
+
+
 def test_budgets_persist_atomically(tmp_path):
     from gateway.limiter import read_budgets, write_budgets
 
@@ -587,3 +614,67 @@ def test_limits_in_files_are_strict(tmp_path):
     assert read_keys_file(keys)["0" * 64].limits.budget.period == "day"
     with pytest.raises(ValueError):
         GatewayConfig.model_validate({"limits": {"on_limiter_failure": "maybe"}})
+
+
+# --- the ingress side, with a stand-in limiter handle over the real LimiterState ----------
+
+
+class _SlowLimiter:
+    """A limiter handle whose ``admit`` answer arrives ``delay_s`` after the limiter decided
+    (a loaded limiter replica, or a slow way back)."""
+
+    def __init__(self, state, delay_s: float):
+        import types
+
+        async def admit(ask):
+            verdict = state.admit(ask)  # the limiter has decided (and holds the slot) ...
+            await asyncio.sleep(delay_s)  # ... but its answer is slow to come back
+            return verdict
+
+        async def settle(settlement):
+            state.settle(settlement)
+
+        async def budget_used(key, period):
+            return state.used(key, period) if key else 0
+
+        self.admit = types.SimpleNamespace(remote=admit)
+        self.settle = types.SimpleNamespace(remote=settle)
+        self.budget_used = types.SimpleNamespace(remote=budget_used)
+
+
+@pytest.mark.parametrize("how", ["timed out", "client left"])
+def test_a_lease_granted_after_its_request_stopped_waiting_is_given_back(how):
+    """A limiter that answers after the ingress stopped waiting (its timeout, or the client
+    went away) must not keep the slot it granted: it would stay held until lease_ttl_s."""
+    from gateway.limiter_config import LimitsSettings
+    from gateway.limits import RequestLimits
+
+    state, _ = _state()
+    ask = _ask(conc=1)
+
+    async def scenario():
+        settings = LimitsSettings(
+            default={"concurrent_requests": 1},
+            limiter_timeout_s=0.05 if how == "timed out" else 5,
+            on_limiter_failure="open",
+        )
+        limits = RequestLimits(settings, _SlowLimiter(state, 0.3), lambda name: None, 1 << 16)
+
+        async def fake_ask(*_):
+            return ask
+
+        limits._ask = fake_ask
+        principal = type("P", (), {"name": "k", "limits": None})()
+        request = type("R", (), {"state": type("S", (), {})()})()
+        if how == "timed out":
+            assert await limits.admit(request, principal) is None  # served without limits
+        else:
+            waiting = asyncio.ensure_future(limits.admit(request, principal))
+            await asyncio.sleep(0.1)
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+        await asyncio.sleep(0.6)  # the limiter has answered, and the late lease was settled
+
+    asyncio.run(scenario())
+    assert state.admit(ask).allowed, "the late lease still holds the key's only slot"
