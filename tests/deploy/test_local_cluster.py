@@ -41,7 +41,8 @@ def cluster(tmp_path_factory):
         2,
         state_dir=state,
         head_resources={"stages": 1},
-        worker_resources=[{"engine": 1}, {"engine": 1}],
+        # `retriever`: one Retriever replica per worker (test_retriever_replicas_on_two_nodes_share_a_store).
+        worker_resources=[{"engine": 1, "retriever": 1}, {"engine": 1, "retriever": 1}],
         num_cpus=2,
     )
     yield c
@@ -55,9 +56,10 @@ def gateway_files(tmp_path_factory) -> tuple:
     return tmp_path_factory.mktemp("cluster-config"), free_port()
 
 
-def _apply(cluster, files, deployment: dict | None = None) -> None:
+def _apply(cluster, files, deployment: dict | None = None, sections: dict | None = None) -> None:
     """Write the scripted model's and the gateway's files and apply them; ``deployment`` is
-    the model file's ``deployment`` section (none: one replica)."""
+    the model file's ``deployment`` section (none: one replica); ``sections`` replaces sections of
+    ``gateway.yaml`` (none: embedding, guardrails and retrieval off)."""
     folder, port = files
     model = {
         "model_id": "scripted",
@@ -77,6 +79,7 @@ def _apply(cluster, files, deployment: dict | None = None) -> None:
         "guardrails": {"enabled": False},
         "retrieval": {"enabled": False, "storage_dir": str(folder / "retrieval")},
         "limits": {"budget_file": str(folder / "budgets.json")},
+        **(sections or {}),
     }
     (folder / "scripted.yaml").write_text(yaml.safe_dump(model))
     (folder / "gateway.yaml").write_text(yaml.safe_dump(config))
@@ -325,6 +328,72 @@ def test_engine_autoscales_up_under_load_and_back_down(cluster, gateway, engine_
         f"{down_at - stopped_at:.1f}s; {len(outcomes)} streams, {served} served"
     )
     assert served == len(outcomes), [o for *_, o in outcomes if o != "ok"]
+
+
+RETRIEVER = "Retriever"
+FACT = "The lighthouse keeper on Skarvholm island owns exactly 7351 brass telescopes."
+
+
+def test_retriever_replicas_on_two_nodes_share_a_store(cluster, gateway, gateway_files, tmp_path):
+    storage = tmp_path / "shared-retrieval"  # a path every node reaches (one machine: a local folder)
+    sections = {
+        "embedding": {"enabled": True, "num_cpus": 0.1, "resources": {"stages": 0.01}},
+        "retrieval": {
+            "enabled": True,
+            "storage_dir": str(storage),
+            "num_replicas": 2,
+            "num_cpus": 0.1,
+            "resources": {"retriever": 1},  # one per worker: each replica on its own node
+        },
+    }
+    http = httpx.Client(base_url=gateway, timeout=120)
+    _apply(cluster, gateway_files, sections=sections)
+    try:
+        assert _running_on(cluster, deploy.GATEWAY_APP, RETRIEVER) == {"worker-1", "worker-2"}
+        store = http.post("/v1/vector_stores", json={"name": "cluster-shared"})
+        assert store.status_code == 200, store.text
+        store_id = store.json()["id"]
+        upload = http.post(
+            "/v1/files", files={"file": ("skarvholm.txt", FACT.encode())}, data={"purpose": "assistants"}
+        )
+        assert upload.status_code == 200, upload.text
+        file_id = upload.json()["id"]
+        added = http.post(f"/v1/vector_stores/{store_id}/files", json={"file_id": file_id})
+        assert added.status_code == 200, added.text
+
+        def indexed() -> bool:
+            r = http.get(f"/v1/vector_stores/{store_id}/files/{file_id}")
+            assert r.status_code == 200, r.text
+            assert r.json()["status"] != "failed", r.text
+            return r.json()["status"] == "completed"
+
+        _until(indexed, 120, "the file indexed")
+
+        def search() -> list[dict]:
+            r = http.post(f"/v1/vector_stores/{store_id}/search", json={"query": "How many brass telescopes?"})
+            assert r.status_code == 200, r.text
+            return r.json()["data"]
+
+        found = [search() for _ in range(20)]
+        misses = [
+            i
+            for i, hits in enumerate(found)
+            if not any("7351 brass telescopes" in h["content"][0]["text"] for h in hits)
+        ]
+        assert not misses, f"searches {misses} of 20 did not find the fact"
+        # Which replica served each search is not observable here: the response does not say, and
+        # Serve's per-replica access log lines are buffered in the replica (RAY_SERVE_THROUGHPUT_OPTIMIZED
+        # sets RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE to 1000), so the log files stay empty meanwhile.
+        # Serve's router picks among both RUNNING replicas per call (not verified per call here).
+        print("\n20 of 20 searches through 2 Retriever replicas (worker-1, worker-2) found the fact")
+
+        deleted = http.delete(f"/v1/vector_stores/{store_id}/files/{file_id}")
+        assert deleted.status_code == 200 and deleted.json()["deleted"], deleted.text
+        still = [i for i in range(20) if any(h["file_id"] == file_id for h in search())]
+        assert not still, f"searches {still} of 20 still found the deleted file"
+    finally:
+        http.close()
+        _apply(cluster, gateway_files)
 
 
 def test_engine_on_a_worker_serves_and_comes_back_after_its_node_dies(cluster, gateway):
