@@ -127,6 +127,8 @@ class EngineClient:
         if error is not None:
             gen.cancel()
             raise error_from_engine(error)
+        if not isinstance(first, list):  # a whole answer: its call ends before it is sent
+            await _finish_call(gen)
         return first, gen
 
     async def respond(
@@ -147,7 +149,6 @@ class EngineClient:
         strip_usage = metrics.ask_for_usage(request)  # tokens are counted for every stream
         first, gen = await self.call(method, request)
         if not isinstance(first, list):  # non-streaming: a single response object
-            await finish_call(gen)
             body = response_body(first)
             metrics.note_usage(body.get("usage"))
             if meter is not None:
@@ -167,7 +168,7 @@ class EngineClient:
         return sse.EventStream(stream, headers, on_close=meter.close if meter is not None else None)
 
 
-async def finish_call(gen: DeploymentResponseGenerator, wait_s: float = 1.0) -> None:
+async def _finish_call(gen: DeploymentResponseGenerator, wait_s: float = 1.0) -> None:
     """Let a one-item engine call end before its answer is sent, so the replica's slot is free
     by the time the client can send its next request (else a client that sends requests one
     after another can meet its own finished request still counted against

@@ -19,7 +19,6 @@ from starlette.responses import Response
 
 from gateway import chat_stages, responses_stages, sse
 from gateway.auth import Principal
-from gateway.engine_client import finish_call
 from gateway.errors import APIError, JSONBytesResponse, bad_request
 from gateway.http import app
 from gateway.limits import meter_of
@@ -95,7 +94,6 @@ class ResponsesRoutes:
         first, gen = await engine.call("responses", call.engine_body(data, passages_item))
         headers = {CONFIG_VERSION_HEADER: policy.version}
         if not isinstance(first, list):  # the whole response
-            await finish_call(gen)
             body = shaper.whole(first)
             if meter is not None:
                 meter.charge(*shaper.tokens())
