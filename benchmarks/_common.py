@@ -314,3 +314,43 @@ def seed_docs(url: str) -> str:
                 return f"{counts['completed']} file indexed"
             time.sleep(1)
     return "file still indexing"
+
+
+def gateway_stage_means(session_dir: Path = Path("/tmp/ray/session_latest")) -> dict[str, tuple[float, int]]:
+    """The gateway's own latency series from the Ray node's metrics endpoint (the gateway under
+    test must be the only Ray instance here): ``series{label}`` -> (total ms, count), for
+    the stages seen from the ingress, each rail inside the guardrails replica, the overhead
+    header's histogram and the embedding batcher. Subtract two snapshots for one phase."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    wanted = {
+        "ray_gateway_stage_latency_ms": "stage",
+        "ray_gateway_rail_latency_ms": "rail",
+        "ray_gateway_overhead_ms": "model",
+        "ray_serve_batch_execution_time_ms": "deployment",
+        "ray_serve_batch_wait_time_ms": "deployment",
+    }
+    out: dict[str, list[float]] = {}
+    for port_file in session_dir.glob("metrics_export_port_*"):
+        text = httpx.get(f"http://127.0.0.1:{port_file.read_text().strip()}/metrics", timeout=10).text
+        for family in text_string_to_metric_families(text):
+            label = wanted.get(family.name)
+            if label is None:
+                continue
+            for s in family.samples:
+                if s.name.endswith(("_sum", "_count")):
+                    key = f"{family.name.removeprefix('ray_')}{{{s.labels.get(label, '')}}}"
+                    row = out.setdefault(key, [0.0, 0])
+                    row[0 if s.name.endswith("_sum") else 1] += s.value
+    return {k: (v[0], int(v[1])) for k, v in out.items()}
+
+
+def stage_means_table(before: dict[str, tuple[float, int]], after: dict[str, tuple[float, int]]) -> str:
+    """Mean ms per observation of each series between two ``gateway_stage_means`` snapshots."""
+    lines = [f"{'series (gateway metrics, this phase)':<58} {'n':>6} {'mean ms':>8}"]
+    for key in sorted(after):
+        total = after[key][0] - before.get(key, (0.0, 0))[0]
+        n = after[key][1] - before.get(key, (0.0, 0))[1]
+        if n > 0:
+            lines.append(f"{key:<58} {n:>6} {total / n:>8.2f}")
+    return "\n".join(lines)

@@ -52,11 +52,13 @@ from _common import (  # noqa: E402
     Progress,
     Server,
     free_port,
+    gateway_stage_means,
     litellm_bin,
     litellm_server,
     prompts,
     pyplot,
     seed_docs,
+    stage_means_table,
     start_all,
     summary,
     timed_chat,
@@ -66,6 +68,8 @@ from bench_serving import VLLM_CLI, engine_flags, without_stages  # noqa: E402
 
 from gateway.__main__ import RAY_ENV_DEFAULTS  # noqa: E402
 from gateway.config import load_config  # noqa: E402
+
+METRICS_EXPORT_S = 12  # Ray's metrics export interval is 10 s
 
 
 class Arm:
@@ -386,7 +390,10 @@ def run_instant(args: argparse.Namespace, out_dir: Path) -> int:
         print(f"retrieval store for the stages-on arm: {seed_docs(arms[-1].url)}", flush=True)
         rounds = args.rounds or 200
         print(f"driving {len(arms)} arms x {rounds} rounds, interleaved", flush=True)
+        before = gateway_stage_means()
         results = asyncio.run(drive_instant(arms, rounds, args.warmup))
+        time.sleep(METRICS_EXPORT_S)  # Ray exports a replica's metrics every few seconds
+        stages = stage_means_table(before, gateway_stage_means())
         load = {}
         for arm in arms if args.seconds > 0 else ():
             print(f"{arm.name}: {args.clients} concurrent clients for {args.seconds:.0f} s", flush=True)
@@ -395,6 +402,7 @@ def run_instant(args: argparse.Namespace, out_dir: Path) -> int:
     figures = summarise_instant(results, load)
     text = instant_table(figures, rounds, args.clients)
     print("\n" + text)
+    print("\nwhere the gateway's time went in the sequential rounds (both gateway arms):\n" + stages)
     meta = {"backend": "instant", "rounds": rounds, "clients": args.clients, "when": time.strftime("%F %T")}
     meta["loadavg"] = os.getloadavg()
     (out_dir / "overhead.json").write_text(json.dumps({**meta, "summary": figures, "requests": results}, indent=1))

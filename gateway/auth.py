@@ -24,6 +24,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from gateway.config import is_loopback
 from gateway.errors import AUTHENTICATION, PERMISSION, APIError
 from gateway.limiter_config import KeyLimits
 
@@ -158,8 +159,17 @@ class KeyRing:
     """The current keys, re-read from the keys file when its mtime changes (checked at most
     every ``recheck_s`` seconds, on the request path: one ``stat``)."""
 
-    def __init__(self, keys_file: Path | None, env_variable: str | None, *, recheck_s: float = 1.0):
+    def __init__(
+        self,
+        keys_file: Path | None,
+        env_variable: str | None,
+        *,
+        recheck_s: float = 1.0,
+        loopback_only: bool = True,
+    ):
         self._file = keys_file
+        # With no keys, only callers on this host are served (unless the config allows anyone).
+        self._loopback_only = loopback_only
         self._env = env_principals(env_variable) if env_variable else {}
         self._recheck_s = recheck_s
         self._checked = 0.0
@@ -178,9 +188,18 @@ class KeyRing:
     def __len__(self) -> int:
         return len(self._env) + len(self._from_file)
 
-    def authenticate(self, authorization: str | None) -> Principal:
-        """The principal for an ``Authorization`` header value; 401 otherwise."""
+    def authenticate(self, authorization: str | None, peer: str | None = None) -> Principal:
+        """The principal for an ``Authorization`` header value; 401 otherwise. ``peer`` is the
+        connection's address: with auth off it must be loopback (a replica's own HTTP port
+        listens on every interface when Serve's HAProxy sits in front)."""
         if not self.enabled:
+            if self._loopback_only and not (peer is not None and is_loopback(peer)):
+                raise APIError(
+                    401,
+                    "This gateway has no API keys configured and serves callers on its own host only.",
+                    type=AUTHENTICATION,
+                    code="invalid_api_key",
+                )
             return Principal(LOCAL)
         self._maybe_reload()
         scheme, _, key = (authorization or "").partition(" ")

@@ -2,12 +2,13 @@
 
 Each function takes the collaborator it calls (a deployment handle), the model's current
 policy and the request, and either raises an ``APIError`` (the request is refused) or
-rewrites the request in place. ``Gateway.chat_completions`` calls them in order, except that
-the retrieval search (``PendingSearch``) is submitted before the input rails are awaited: both
-need only the request, so the search's time hides behind the rails'. The Retriever (and the
-Embedder behind it) thus sees the user's text before a redaction; a redacted query is searched
-again, so the passages always answer the text the engine sees, and a refused request's search
-is cancelled.
+rewrites the request in place. ``Gateway.chat_completions`` calls them in order. With input
+rails on, the retrieval search (``PendingSearch``) follows them: the rails embed the query (the
+last user message) with the same model anyway, and hand that vector over (``SharedVector``),
+so the search makes no embedding call of its own, and a refused request is never searched.
+When they did not embed it (a verdict remembered from an earlier request, a redacted query)
+the search embeds the text itself. Without rails the search is submitted at once, beside
+nothing. The passages always answer the text the engine sees.
 
 The input rails read the request as the client sent it (the JSON body), so every string a
 client controls is found wherever it sits: any role's content, content parts, names, tool
@@ -146,17 +147,25 @@ async def input_rails(
     param: str = "messages",
     timeout_s: float | None = None,
     retry_after_s: float | None = None,
-) -> bool:
+    share_vector: str | None = None,
+) -> RailsOutcome:
     """Size limits over every text; PII, injection and denied topics over every text whose
     role the policy does not exempt. Blocks with a 400 naming the policy, or writes the
-    redacted texts back into the request and returns True. Past ``timeout_s`` the check
-    counts as failed: 504 unless the policy fails open."""
+    redacted texts back into the request (``redacted``). Past ``timeout_s`` the check counts
+    as failed: 504 unless the policy fails open. ``share_vector`` names a text (the retrieval
+    query) whose embedding the rails hand back if they computed it."""
     checked = [s for s in slots if s.role not in policy.exempt_roles]
     try:
         instructions = [s.role in policy.injection.instruction_roles for s in checked]
         documents = [s.role in _DOCUMENT_ROLES for s in checked]
         call_ = guard.check_input.remote(
-            model_id, policy, [s.get() for s in checked], [s.get() for s in slots], instructions, documents
+            model_id,
+            policy,
+            [s.get() for s in checked],
+            [s.get() for s in slots],
+            instructions,
+            documents,
+            share_vector=share_vector,
         )
         with metrics.stage("input_rails"):
             decision = await within(call_, timeout_s, "guardrails")
@@ -164,15 +173,30 @@ async def input_rails(
         # The guardrails deployment itself failed: fail closed unless the policy says otherwise.
         logger.error("guardrails unavailable for %s: %s", model_id, type(exc).__name__)
         if policy.fail_open:
-            return False
+            return RailsOutcome(False)
         raise stage_failure("guardrails", exc, retry_after_s) from None
     if decision.verdict.blocked:
         raise blocked_error(decision.verdict, param)
+    shared = SharedVector(share_vector, decision.vector) if share_vector and decision.vector is not None else None
     if not decision.verdict.redacted:
-        return False
+        return RailsOutcome(False, shared)
     for slot, text in zip(checked, decision.texts):
         slot.set(text)
-    return True
+    return RailsOutcome(True, shared)
+
+
+@dataclass(frozen=True)
+class SharedVector:
+    """A text's embedding, computed by the input rails, for the search of the same text."""
+
+    text: str
+    vector: Any
+
+
+@dataclass(frozen=True)
+class RailsOutcome:
+    redacted: bool  # the request's texts were rewritten: parse it again
+    vector: SharedVector | None = None
 
 
 @dataclass(frozen=True)
@@ -286,8 +310,14 @@ class PendingSearch:
         self._response: Any = None
         self._task: asyncio.Future | None = None
 
-    def submit(self, messages: list[dict[str, Any]]) -> PendingSearch:
-        """Search for the last user message's text, unless that search is already running."""
+    def query_of(self, messages: list[dict[str, Any]]) -> str | None:
+        """The text this request would search for (None when it searches nothing)."""
+        return (last_user_text(messages) or None) if self.wanted else None
+
+    def submit(self, messages: list[dict[str, Any]], shared: SharedVector | None = None) -> PendingSearch:
+        """Search for the last user message's text, unless that search is already running.
+        ``shared``: the rails' embedding of a text, used if it is the query's (no second
+        embedding of the same text)."""
         query = last_user_text(messages) if self.wanted else ""
         if query == self.query:
             return self
@@ -301,6 +331,7 @@ class PendingSearch:
                 self.request.top_k or self.policy.top_k,
                 self.policy.min_score,
                 caller=self.caller,
+                query_vector=shared.vector if shared is not None and shared.text == query else None,
             )
             self._task = asyncio.ensure_future(self._search(self._response))
         return self

@@ -39,7 +39,8 @@ async def authenticate(request: Request) -> None:
     if getattr(request.scope.get("route"), "path", request.url.path) in PUBLIC_PATHS:
         return
     gateway = serve.get_replica_context().servable_object
-    request.state.principal = gateway.keys.authenticate(request.headers.get("authorization"))
+    peer = request.client.host if request.client else None
+    request.state.principal = gateway.keys.authenticate(request.headers.get("authorization"), peer)
 
 
 app = FastAPI(

@@ -1,8 +1,8 @@
 """The gateway's HTTP ingress: OpenAI routes on FastAPI, deployed by Ray Serve.
 
 A chat request follows one straight path, written out in ``chat_completions``:
-parse -> resolve the model -> input rails, with the retrieval search running beside them
--> passage check -> engine with output rails on its stream. Each stage is a deployment
+parse -> resolve the model -> input rails (which embed the query for the search too)
+-> retrieval search -> passage check -> engine with output rails on its stream. Each stage is a deployment
 handed to the constructor; the ingress calls them in order and they never call each other.
 """
 
@@ -90,7 +90,11 @@ class Gateway(RetrievalRoutes, ResponsesRoutes):
         )
         # Keys are read here, in the replica, so they never travel through Serve's
         # deployment arguments (which the controller stores and shows in its state).
-        self.keys = KeyRing(Path(keys_file) if keys_file else None, settings.auth.api_keys_env)
+        self.keys = KeyRing(
+            Path(keys_file) if keys_file else None,
+            settings.auth.api_keys_env,
+            loopback_only=not settings.auth.allow_unauthenticated,
+        )
         self._created = int(time.time())
         self.cors = settings.cors  # read by gateway.chat_page.ReplicaCORS
         if not self.keys.enabled:
@@ -134,8 +138,6 @@ class Gateway(RetrievalRoutes, ResponsesRoutes):
         request_policy.apply(policy.requests, data, chat=True)
         chat = parse_chat_request(data)
         wanted = chat_stages.RetrievalRequest.parse(extensions.get("retrieval"), policy.retrieval)
-        # 1. the retrieval search for the last user message, submitted now: it needs only the
-        #    request, so it runs while 2. the input rails check every text the client wrote
         search = chat_stages.PendingSearch(
             self._retriever,
             chat.model,
@@ -144,20 +146,25 @@ class Gateway(RetrievalRoutes, ResponsesRoutes):
             retrieval_caller(principal),
             timeout_s=self._settings.timeouts.retrieval_s,
             retry_after_s=self._settings.retry_after_s,
-        ).submit(chat.messages)
-        try:
-            # The rails refuse (400 naming the policy; the search is dropped) or redact before
-            # the engine sees the text (a redacted query is searched again).
-            if policy.guardrails.enabled and self._guard is not None:
-                texts = chat_stages.chat_texts(data)
-                if await chat_stages.input_rails(
-                    self._guard, chat.model, policy.guardrails, texts, **self._rail_bounds()
-                ):
-                    chat = parse_chat_request(data)
-                    search.submit(chat.messages)
-        except BaseException:
-            search.cancel()
-            raise
+        )
+        # 1. the input rails check every text the client wrote: they refuse (400 naming the
+        #    policy) or redact before the engine sees the text, and hand back their embedding
+        #    of the last user message for 2. the retrieval search of that text
+        if policy.guardrails.enabled and self._guard is not None:
+            texts = chat_stages.chat_texts(data)
+            rails = await chat_stages.input_rails(
+                self._guard,
+                chat.model,
+                policy.guardrails,
+                texts,
+                share_vector=search.query_of(chat.messages),
+                **self._rail_bounds(),
+            )
+            if rails.redacted:
+                chat = parse_chat_request(data)
+            search.submit(chat.messages, rails.vector)
+        else:
+            search.submit(chat.messages)
         # 3. the passages found, checked by the same rails, go into a leading system message
         passages = await chat_stages.retrieved_passages(
             search,
@@ -200,7 +207,7 @@ class Gateway(RetrievalRoutes, ResponsesRoutes):
         if guardrails.enabled and self._guard is not None:
             slots = chat_stages.completion_texts(data)
             bounds = {"param": "prompt", **self._rail_bounds()}
-            if await chat_stages.input_rails(self._guard, completion.model, guardrails, slots, **bounds):
+            if (await chat_stages.input_rails(self._guard, completion.model, guardrails, slots, **bounds)).redacted:
                 completion = parse_completion_request(data)
         rails = guardrails if guardrails.enabled and guardrails.output.enabled else None
         if rails:

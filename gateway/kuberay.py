@@ -39,7 +39,12 @@ SERVE_PORT = 8000
 
 # The CLI's Ray settings (gateway/__main__.py RAY_ENV_DEFAULTS) that belong on every node.
 # Not HF_HUB_OFFLINE: a cluster model may come from the hub.
-RAY_ENV = ("RAY_SERVE_THROUGHPUT_OPTIMIZED", "RAY_worker_niceness", "RAY_USAGE_STATS_ENABLED")
+RAY_ENV = (
+    "RAY_SERVE_THROUGHPUT_OPTIMIZED",
+    "RAY_SERVE_ENABLE_HA_PROXY",
+    "RAY_worker_niceness",
+    "RAY_USAGE_STATS_ENABLED",
+)
 
 
 def _in_image(path: str, app_dir: str) -> str:

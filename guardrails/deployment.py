@@ -107,6 +107,9 @@ class InputDecision:
 
     verdict: Verdict
     texts: list[str] = field(default_factory=list)
+    # The rails' embedding of the text ``check_input`` was asked to share, when they computed
+    # one (a fresh text of one chunk): the retrieval search uses it rather than embed it again.
+    vector: np.ndarray | None = None
 
 
 @serve.deployment(name="Guardrails", max_ongoing_requests=256, ray_actor_options={"num_cpus": 0.25})
@@ -139,11 +142,14 @@ class Guardrails:
         all_texts: Sequence[str],
         instructions: Sequence[bool] | None = None,
         documents: Sequence[bool] | None = None,
+        share_vector: str | None = None,
     ) -> InputDecision:
         """Limits over ``all_texts`` (every text of the request), then PII, injection and
         denied topics on each of ``texts``; ``instructions[i]`` marks a text from an
         instruction role (heuristics instead of the injection classifier), ``documents[i]``
-        a tool result or client-sent document (the injection rail's document threshold)."""
+        a tool result or client-sent document (the injection rail's document threshold).
+        ``share_vector``: a text (the retrieval query) whose embedding to return if the rails
+        compute it."""
         deadline = time.monotonic() + policy.limits.time_budget_ms / 1000
         guard = await self._guard_or_error(model_id, policy)
         if isinstance(guard, Verdict):
@@ -152,13 +158,17 @@ class Guardrails:
         limits = guard.check_request(list(all_texts))
         if limits.blocked:
             return InputDecision(limits, list(texts))
-        verdicts = await self._check_each(guard, texts, deadline, instructions=instructions, documents=documents)
+        shared: dict[str, np.ndarray | None] = {share_vector: None} if share_vector else {}
+        verdicts = await self._check_each(
+            guard, texts, deadline, instructions=instructions, documents=documents, vectors=shared
+        )
         blocked = next((v for v in verdicts if v.blocked), None)
         if blocked is not None:
             return InputDecision(blocked, list(texts))
         rewritten = [v.text if v.redacted and v.text is not None else t for v, t in zip(verdicts, texts)]
         redacted = next((v for v in verdicts if v.redacted), None)
-        return InputDecision(redacted or Verdict.allow("guardrails"), rewritten)
+        vector = shared.get(share_vector) if share_vector else None
+        return InputDecision(redacted or Verdict.allow("guardrails"), rewritten, vector)
 
     async def check_passages(self, model_id: str, policy: GuardrailPolicy, passages: Sequence[str]) -> list[Verdict]:
         """Retrieved passages go through the same rails: an instruction planted in a document
@@ -185,8 +195,10 @@ class Guardrails:
         deadline: float,
         instructions: Sequence[bool] | None = None,
         documents: Sequence[bool] | None = None,
+        vectors: dict[str, np.ndarray | None] | None = None,
     ) -> list[Verdict]:
-        """Verdicts for ``texts``: remembered ones from the cache, the rest computed."""
+        """Verdicts for ``texts``: remembered ones from the cache, the rest computed. The
+        embeddings computed for texts named in ``vectors`` are put there."""
         if not texts:
             return []
         inst = list(instructions) if instructions is not None else [False] * len(texts)
@@ -197,14 +209,19 @@ class Guardrails:
         verdicts: list[Verdict | None] = [self._verdicts.get(k) for k in keys]
         todo = [i for i, v in enumerate(verdicts) if v is None]
         if todo:
-            fresh = await self._compute(guard, [texts[i] for i in todo], [flags[i] for i in todo], deadline)
+            fresh = await self._compute(guard, [texts[i] for i in todo], [flags[i] for i in todo], deadline, vectors)
             for i, verdict in zip(todo, fresh):
                 verdicts[i] = verdict
                 self._verdicts.put(keys[i], verdict)
         return verdicts  # type: ignore[return-value]
 
     async def _compute(
-        self, guard: InputGuard, texts: Sequence[str], flags: list[str], deadline: float
+        self,
+        guard: InputGuard,
+        texts: Sequence[str],
+        flags: list[str],
+        deadline: float,
+        vectors: dict[str, np.ndarray | None] | None = None,
     ) -> list[Verdict]:
         embeddings: list[np.ndarray | None] = [None] * len(texts)
         if guard.needs_embedding:
@@ -212,6 +229,9 @@ class Guardrails:
                 started = time.perf_counter()
                 embeddings = await self._embed_chunked(texts)
                 guard.metrics.record_latency("embedding", time.perf_counter() - started)
+                for text, embedding in zip(texts, embeddings):
+                    if vectors is not None and text in vectors and embedding is not None and len(embedding) == 1:
+                        vectors[text] = embedding[0]  # one chunk: the embedding of the whole text
             except Exception as exc:  # embedding service down: the rails that need it fail closed
                 guard.metrics.record_error("embedding")
                 logger.error("embedding for guardrails failed: %s", type(exc).__name__)

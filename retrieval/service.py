@@ -27,6 +27,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -401,8 +402,13 @@ class Retriever:
         min_score: float | None = None,
         *,
         caller: Caller,
+        query_vector: np.ndarray | None = None,
     ) -> list[Passage]:
         """The chat path's retrieval: the ``top_k`` best chunks across the chosen stores.
+
+        ``query_vector`` is the query's embedding when the caller has it already (the input
+        rails embed the same text with the same model): the search then makes no call to the
+        embedding deployment. One of another shape is ignored.
 
         ``policy_collections`` come from the model's retrieval policy (the operator's config):
         each resolves by id, whoever owns the store, or by name among the operator's stores only
@@ -433,7 +439,11 @@ class Retriever:
         colls = [c for c in found.values() if c.stats().chunks]
         if not colls:
             return []
-        vector = await self._embedder.embed.remote(query, truncate=True)
+        shape = getattr(query_vector, "shape", None)
+        if shape is not None and all(shape == (c.dimension,) for c in colls):
+            vector = np.asarray(query_vector, dtype=np.float32)
+        else:
+            vector = await self._embedder.embed.remote(query, truncate=True)
 
         def run() -> list[Passage]:
             passages = [

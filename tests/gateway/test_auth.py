@@ -191,6 +191,24 @@ def test_keys_file_errors_name_the_key(tmp_path):
     assert not ring.authenticate("Bearer k").admin
 
 
+def test_with_auth_off_only_loopback_callers_are_served():
+    """Behind Serve's HAProxy the ingress replicas' own ports listen on every interface: with no
+    keys, a caller from another host is refused, whatever it sends."""
+    from gateway.auth import LOCAL, KeyRing
+    from gateway.errors import APIError
+
+    ring = KeyRing(None, None)
+    assert not ring.enabled
+    for peer in ("127.0.0.1", "::1", "127.0.0.53"):
+        assert ring.authenticate(None, peer).name == LOCAL
+    for peer in ("10.0.0.7", "192.168.1.20", "::ffff:10.0.0.7", None, "testclient"):
+        with pytest.raises(APIError) as err:
+            ring.authenticate("Bearer anything", peer)
+        assert err.value.status == 401
+    # The operator said anyone may call it (auth.allow_unauthenticated).
+    assert KeyRing(None, None, loopback_only=False).authenticate(None, "10.0.0.7").name == LOCAL
+
+
 def _eventually(check, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not check():

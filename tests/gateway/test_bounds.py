@@ -478,4 +478,4 @@ def test_input_rails_timeout_is_a_504_unless_the_policy_fails_open():
     with pytest.raises(APIError) as info:
         run(GuardrailPolicy(enabled=True), slow)
     assert info.value.status == 504 and info.value.code == "guardrails_timeout" and slow.cancelled
-    assert run(GuardrailPolicy(enabled=True, fail_open=True), _Call(delay_s=5)) is False
+    assert run(GuardrailPolicy(enabled=True, fail_open=True), _Call(delay_s=5)).redacted is False

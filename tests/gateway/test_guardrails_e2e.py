@@ -135,6 +135,35 @@ def test_poisoned_passage_is_dropped(client, engine_events):
         client.vector_stores.delete(store.id)
 
 
+def test_the_search_uses_the_rails_embedding_of_the_query(client, engine_events):
+    """The input rails embed the last user message anyway and hand that vector to the search:
+    the embedding deployment encodes nothing for a chat, and the passage is still found. A
+    redacted query is embedded again (the rails' vector is of the text before redaction)."""
+    from ray import serve
+
+    from gateway.deploy import GATEWAY_APP
+
+    embedder = serve.get_deployment_handle("Embedder", app_name=GATEWAY_APP)
+    store = client.vector_stores.create(name="handbook")
+    try:
+        f = client.files.create(
+            file=("parking.md", b"Parking spaces are assigned by facilities; the garage opens at 7am."),
+            purpose="assistants",
+        )
+        client.vector_stores.files.create(vector_store_id=store.id, file_id=f.id)
+        fresh = f"({time.time_ns()})"  # a text no verdict is remembered for: the rails embed it
+        embedder.reset_batch_stats.remote().result()
+        chat(client, f"When does the parking garage open? {fresh}")
+        assert "garage opens at 7am" in engine_events("started")[-1]["prompt"]
+        assert embedder.batch_stats.remote().result()["inputs"] == 0
+        chat(client, f"When does the parking garage open? Write to me at ann@example.com {fresh}")
+        prompt = engine_events("started")[-1]["prompt"]
+        assert "garage opens at 7am" in prompt and "ann@example.com" not in prompt
+        assert embedder.batch_stats.remote().result()["inputs"] == 1
+    finally:
+        client.vector_stores.delete(store.id)
+
+
 def test_policy_change_applies_without_restart(client, model_file):
     assert chat(client, "call me on +44 20 7946 0958").choices[0].message.content
     model_file("scripted-guarded.yaml", POLICY_PHONE_BLOCKED)

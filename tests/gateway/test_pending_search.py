@@ -39,11 +39,13 @@ class FakeRetriever:
     def __init__(self, outcome=None, delay_s: float = 0.05):
         self.outcome, self.delay_s = outcome, delay_s
         self.queries: list[str] = []
+        self.vectors: list = []
         self.responses: list[FakeResponse] = []
         self.retrieve = self
 
-    def remote(self, collections, requested, query, top_k, min_score, *, caller):
+    def remote(self, collections, requested, query, top_k, min_score, *, caller, query_vector=None):
         self.queries.append(query)
+        self.vectors.append(query_vector)
         outcome = self.outcome if self.outcome is not None else [passage(query)]
         self.responses.append(FakeResponse(outcome, self.delay_s))
         return self.responses[-1]
@@ -145,3 +147,24 @@ def test_failures_follow_the_policy():
     with pytest.raises(APIError) as missing:
         found(unknown, user("q"))
     assert missing.value.status == 404
+
+
+def test_the_rails_vector_is_used_only_for_the_text_it_embeds():
+    """The rails' embedding goes with the search of the same text; a redacted query (another
+    text) is embedded by the Retriever itself."""
+    from gateway.chat_stages import SharedVector
+
+    async def run():
+        retriever = FakeRetriever()
+        pending = search(retriever)
+        assert pending.query_of(user("Mail me at a@b.example")) == "Mail me at a@b.example"
+        shared = SharedVector("Mail me at a@b.example", [0.5, 0.5])
+        pending.submit(user("Mail me at a@b.example"), shared)
+        pending.submit(user("Mail me at [EMAIL]"), shared)
+        await pending.passages()
+        return retriever
+
+    retriever = asyncio.run(run())
+    assert retriever.queries == ["Mail me at a@b.example", "Mail me at [EMAIL]"]
+    assert retriever.vectors == [[0.5, 0.5], None]
+    assert search(FakeRetriever(), policy=RetrievalPolicy(enabled=False)).query_of(user("hi")) is None
