@@ -240,9 +240,19 @@ def chat_body(model: str, prompt: str) -> dict:
     return {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 1}
 
 
+# Questions the seeded handbook answers: with stages on, the search finds its passage, which the
+# passage check then reads and the engine gets in a system message, as in a real RAG chat.
+HANDBOOK_QUESTIONS = [
+    "How many vacation days does an employee get per year?",
+    "How far ahead do vacation requests go to the manager?",
+    "When is the office open on weekdays?",
+    "How quickly are expenses refunded after filing the receipt?",
+]
+
+
 def unique_prompts(n: int, tag: str = "") -> list[str]:
     """Distinct prompts, so no arm answers from a cache (the rails cache verdicts per text)."""
-    return [f"{p} (#{tag}{i})" for i, p in enumerate(prompts(n))]
+    return [f"{HANDBOOK_QUESTIONS[i % len(HANDBOOK_QUESTIONS)]} (#{tag}{i})" for i in range(n)]
 
 
 async def drive_instant(arms: list[Arm], rounds: int, warmup: int) -> dict[str, list[dict]]:
@@ -278,7 +288,8 @@ async def requests_per_second(arm: Arm, clients: int, seconds: float) -> dict:
         async def client(c: int, until: float, record: bool) -> None:
             i = 0
             while time.perf_counter() < until:
-                r = await timed_chat(http, chat_body(arm.model, f"Tell me one fact about the moon. ({c}-{i})"))
+                question = HANDBOOK_QUESTIONS[(c + i) % len(HANDBOOK_QUESTIONS)]
+                r = await timed_chat(http, chat_body(arm.model, f"{question} ({c}-{i})"))
                 i += 1
                 if record:
                     rows.append(r)

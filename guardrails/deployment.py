@@ -223,26 +223,37 @@ class Guardrails:
         deadline: float,
         vectors: dict[str, np.ndarray | None] | None = None,
     ) -> list[Verdict]:
+        # The ensemble's multilingual encoder needs only the text: it runs in a thread beside
+        # the MiniLM pass instead of after it (one request's latency, on an idle core).
+        prime = getattr(guard.injection.scorer if guard.injection else None, "prime", None)
+        primed = asyncio.ensure_future(asyncio.to_thread(prime, list(texts))) if prime is not None else None
         embeddings: list[np.ndarray | None] = [None] * len(texts)
-        if guard.needs_embedding:
-            try:
-                started = time.perf_counter()
-                embeddings = await self._embed_chunked(texts)
-                guard.metrics.record_latency("embedding", time.perf_counter() - started)
-                for text, embedding in zip(texts, embeddings):
-                    if vectors is not None and text in vectors and embedding is not None and len(embedding) == 1:
-                        vectors[text] = embedding[0]  # one chunk: the embedding of the whole text
-            except Exception as exc:  # embedding service down: the rails that need it fail closed
-                guard.metrics.record_error("embedding")
-                logger.error("embedding for guardrails failed: %s", type(exc).__name__)
-                if not guard.policy.fail_open:
-                    return [Verdict.block("embedding", PolicyCode.RAIL_ERROR, "embedding service unavailable")] * len(
-                        texts
-                    )
+        try:
+            if guard.needs_embedding:
+                try:
+                    started = time.perf_counter()
+                    embeddings = await self._embed_chunked(texts)
+                    guard.metrics.record_latency("embedding", time.perf_counter() - started)
+                    for text, embedding in zip(texts, embeddings):
+                        if vectors is not None and text in vectors and embedding is not None and len(embedding) == 1:
+                            vectors[text] = embedding[0]  # one chunk: the embedding of the whole text
+                except Exception as exc:  # embedding service down: the rails that need it fail closed
+                    guard.metrics.record_error("embedding")
+                    logger.error("embedding for guardrails failed: %s", type(exc).__name__)
+                    if not guard.policy.fail_open:
+                        return [
+                            Verdict.block("embedding", PolicyCode.RAIL_ERROR, "embedding service unavailable")
+                        ] * len(texts)
+        finally:
+            if primed is not None:
+                # Scoring encodes whatever priming did not (a failure here is only lost time).
+                await asyncio.gather(primed, return_exceptions=True)
         # Short texts with the embedding classifier are ~0.3 ms of regex and one dot product:
         # inline. Long documents and HF classifiers (a model forward pass) go to a thread, so
         # the replica's event loop (which Serve's throughput mode shares) keeps serving.
-        if guard.runs_model_inline or sum(len(t) for t in texts) > _INLINE_RAIL_CHARS:
+        # With the ensemble's encoder primed above, what is left is the character model and
+        # dot products: inline too.
+        if (guard.runs_model_inline and prime is None) or sum(len(t) for t in texts) > _INLINE_RAIL_CHARS:
             return await asyncio.to_thread(_check_all, guard, texts, embeddings, flags, deadline)
         return _check_all(guard, texts, embeddings, flags, deadline)
 

@@ -120,12 +120,18 @@ def load_disjoint(path: Path = DISJOINT_EVAL) -> list[DisjointRow]:
     return rows
 
 
-def detector_scores(scorer: InjectionClassifier | InjectionEnsemble, encoder: SentenceEncoder, texts: list[str]):
-    """Score of every detector on every text: each component alone, the stacked ensemble, and
-    the heuristics (0/1). Chunked exactly as at serving time, maximum over chunks."""
+def detector_scores(
+    scorer: InjectionClassifier | InjectionEnsemble,
+    encoder: SentenceEncoder,
+    texts: list[str],
+    documents: list[bool] | None = None,
+):
+    """Score of every detector on every text: each component alone, the stacked ensemble (its
+    document stacker for ``documents``), and the heuristics (0/1). Chunked exactly as at
+    serving time, maximum over chunks."""
     chunked = embed_chunked(encoder, texts)
     out: dict[str, list[float]] = defaultdict(list)
-    for text, vectors in zip(texts, chunked):
+    for text, vectors, document in zip(texts, chunked, documents or [False] * len(texts)):
         out["heuristics"].append(float(bool(heuristic_hits(text))))
         if isinstance(scorer, InjectionClassifier):
             out["minilm"].append(float(scorer.score(vectors).max()))
@@ -133,7 +139,7 @@ def detector_scores(scorer: InjectionClassifier | InjectionEnsemble, encoder: Se
         parts = scorer.component_scores(embedding_chunks(text), vectors)
         for j, name in enumerate(scorer.components):
             out[name].append(float(parts[:, j].max()))
-        out["ensemble"].append(float(scorer.stack(parts).max()))
+        out["ensemble"].append(float(scorer.stack(parts, document=document).max()))
     return {name: np.array(values) for name, values in out.items()}
 
 
@@ -153,35 +159,10 @@ def disjoint_report(rows: list[DisjointRow], scores: dict[str, np.ndarray], depl
         in_slot = np.array([r.slot == slot for r in rows])
         benign = in_slot & (labels == 0)
         attacks = in_slot & (labels == 1)
-        flagged = {}
-        for name, s in scores.items():
-            for fpr in (0.01, 0.05):
-                t = 0.5 if name == "heuristics" else _at_fpr(s, benign, fpr)
-                flagged[(name, fpr)] = s >= t
-        head = "| | n | " + " | ".join(f"{name} @1% / @5%" for name in scores) + " |"
-        lines += [
-            f"\n**{slot} slot**: recall at 1% / 5% benign FPR ({int(benign.sum())} benign, "
-            f"{int(attacks.sum())} attacks; heuristics have one operating point)\n",
-            head,
-            "|" + "---|" * (len(scores) + 2),
-        ]
-        keys = [("all", attacks)]
-        keys += [(f"lang {g}", attacks & np.array([r.lang == g for r in rows])) for g in sorted({r.lang for r in rows})]
-        styles = sorted({r.style for r, a in zip(rows, attacks) if a})
-        keys += [(f"style {g}", attacks & np.array([r.style == g for r in rows])) for g in styles]
-        for key, mask in keys:
-            if not mask.any():
-                continue
-            cells = [f"{flagged[(n, 0.01)][mask].mean():.2f} / {flagged[(n, 0.05)][mask].mean():.2f}" for n in scores]
-            lines.append(f"| {key} | {int(mask.sum())} | " + " | ".join(cells) + " |")
-        fp_at_5 = {n: float(flagged[(n, 0.05)][benign].mean()) for n in scores}
-        lines.append(
-            "| benign FPR at the @5% point | "
-            + str(int(benign.sum()))
-            + " | "
-            + " | ".join(f"{fp_at_5[n]:.3f}" for n in scores)
-            + " |"
-        )
+        if not in_slot.any():
+            continue
+        if benign.any():  # an attacks-only corpus gets the deployed detector's recall alone
+            lines += _at_fpr_table(rows, scores, slot, benign, attacks)
         d = deployed[slot]
         lines += [
             f"\n**{slot} slot, deployed detector at its calibrated threshold**: recall / benign FPR\n",
@@ -200,6 +181,42 @@ def disjoint_report(rows: list[DisjointRow], scores: dict[str, np.ndarray], depl
             kind = "attack" if label else "benign"
             lines.append(f"| {g} ({kind}) | {int(sel.sum())} | {d[sel].mean():.3f} |")
     return "\n".join(lines)
+
+
+def _at_fpr_table(rows: list[DisjointRow], scores: dict[str, np.ndarray], slot: str, benign, attacks) -> list[str]:
+    """Recall of every detector with its threshold set where 1% and 5% of the slot's benign
+    rows are flagged, by language and by attack style."""
+    lines: list[str] = []
+    flagged = {}
+    for name, s in scores.items():
+        for fpr in (0.01, 0.05):
+            t = 0.5 if name == "heuristics" else _at_fpr(s, benign, fpr)
+            flagged[(name, fpr)] = s >= t
+    head = "| | n | " + " | ".join(f"{name} @1% / @5%" for name in scores) + " |"
+    lines += [
+        f"\n**{slot} slot**: recall at 1% / 5% benign FPR ({int(benign.sum())} benign, "
+        f"{int(attacks.sum())} attacks; heuristics have one operating point)\n",
+        head,
+        "|" + "---|" * (len(scores) + 2),
+    ]
+    keys = [("all", attacks)]
+    keys += [(f"lang {g}", attacks & np.array([r.lang == g for r in rows])) for g in sorted({r.lang for r in rows})]
+    styles = sorted({r.style for r, a in zip(rows, attacks) if a})
+    keys += [(f"style {g}", attacks & np.array([r.style == g for r in rows])) for g in styles]
+    for key, mask in keys:
+        if not mask.any():
+            continue
+        cells = [f"{flagged[(n, 0.01)][mask].mean():.2f} / {flagged[(n, 0.05)][mask].mean():.2f}" for n in scores]
+        lines.append(f"| {key} | {int(mask.sum())} | " + " | ".join(cells) + " |")
+    fp_at_5 = {n: float(flagged[(n, 0.05)][benign].mean()) for n in scores}
+    lines.append(
+        "| benign FPR at the @5% point | "
+        + str(int(benign.sum()))
+        + " | "
+        + " | ".join(f"{fp_at_5[n]:.3f}" for n in scores)
+        + " |"
+    )
+    return lines
 
 
 def latency(artifact: Path, model_dir: Path | None, texts: list[str], rounds: int = 3) -> str:
@@ -264,8 +281,8 @@ def main() -> None:
 
     if not args.skip_split:
         data = load_rows(args.eval)
-        s = detector_scores(scorer, encoder, data.texts)
         document = np.array([slot == "document" for slot in data.slots])
+        s = detector_scores(scorer, encoder, data.texts, list(document))
         heur = s["heuristics"] >= 0.5
         flagged = s[main_name] >= np.where(document, doc_threshold, threshold)
         predictions = {"heuristics": heur, main_name: flagged, "combined": heur | flagged}
@@ -276,8 +293,8 @@ def main() -> None:
         print(report(predictions, data.labels, data.sources, data.categories))
 
     rows = load_disjoint(args.disjoint)
-    scores = detector_scores(scorer, encoder, [r.text for r in rows])
     document = np.array([r.slot == "document" for r in rows])
+    scores = detector_scores(scorer, encoder, [r.text for r in rows], list(document))
     combined = (scores["heuristics"] >= 0.5) | (scores[main_name] >= np.where(document, doc_threshold, threshold))
     scores["combined"] = np.maximum(scores["heuristics"], scores[main_name])
     deployed = {"user": combined, "document": combined}

@@ -35,6 +35,7 @@ from guardrails.detectors.injection_ensemble import (
     _logit,
     char_vectorizer,
 )
+from guardrails.detectors.text_fold import fold
 from retrieval.encoder import Backend, SentenceEncoder
 
 logger = logging.getLogger(__name__)
@@ -132,9 +133,10 @@ def features(name: str, texts: list[str], model_dir: Path | None, backend: str):
     """The training matrix of one component, from each text's first chunk (as served)."""
     if name == "minilm":
         return SentenceEncoder(model_dir, backend=backend).encode(texts, truncate=True)
+    folded = [fold(t) for t in texts]  # as the ensemble folds them when serving
     if name == "use":
-        return UseEncoder().encode(texts)
-    return char_vectorizer().transform(texts)
+        return UseEncoder().encode(folded)
+    return char_vectorizer().transform(folded)
 
 
 def train(data: LabelledSet, components: tuple[str, ...], model_dir, backend: str, target_fpr: float):
@@ -159,12 +161,15 @@ def train(data: LabelledSet, components: tuple[str, ...], model_dir, backend: st
         stacked[test_idx] = _fit_lr(z[train_idx], data.labels[train_idx], 1.0).predict_proba(z[test_idx])[:, 1]
     stacker = _fit_lr(z, data.labels, 1.0)
     recall, threshold = _recall_at(stacked, data.labels, chat, target_fpr)
-    doc_recall, doc_threshold = _recall_at(
-        stacked[np.array(data.slots) == "document"],
-        data.labels[np.array(data.slots) == "document"],
-        docs[np.array(data.slots) == "document"],
-        target_fpr,
-    )
+    # Documents get a stacker of their own, fitted and calibrated on document rows only: there
+    # the character n-grams carry more than on chat turns (planted text has its own phrasing).
+    in_doc = np.array(data.slots) == "document"
+    doc_stacked = np.zeros(len(z))
+    for train_idx, test_idx in folds:
+        tr, te = train_idx[in_doc[train_idx]], test_idx[in_doc[test_idx]]
+        doc_stacked[te] = _fit_lr(z[tr], data.labels[tr], 1.0).predict_proba(z[te])[:, 1]
+    doc_stacker = _fit_lr(z[in_doc], data.labels[in_doc], 1.0)
+    doc_recall, doc_threshold = _recall_at(doc_stacked[in_doc], data.labels[in_doc], docs[in_doc], target_fpr)
     logger.info(
         "stacked: cv recall %.3f at %.3f (chat); documents %.3f at %.3f", recall, threshold, doc_recall, doc_threshold
     )
@@ -179,6 +184,8 @@ def train(data: LabelledSet, components: tuple[str, ...], model_dir, backend: st
         char_bias=fitted["char"][1] if "char" in fitted else 0.0,
         stack_weights=stacker.coef_[0].astype(np.float32),
         stack_bias=float(stacker.intercept_[0]),
+        doc_stack_weights=doc_stacker.coef_[0].astype(np.float32),
+        doc_stack_bias=float(doc_stacker.intercept_[0]),
         metadata={
             "threshold": round(threshold, 4),
             "document_threshold": round(doc_threshold, 4),

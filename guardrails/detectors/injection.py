@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from guardrails.detectors import linear_regex as lrx
+from guardrails.detectors.text_fold import fold
 from guardrails.verdict import PolicyCode, Verdict
 
 logger = logging.getLogger(__name__)
@@ -277,8 +278,8 @@ _HEURISTICS: dict[str, lrx.Pattern] = {
 
 
 def heuristic_hits(text: str) -> list[str]:
-    """Names of the heuristics that match `text` (empty when none)."""
-    data = lrx.to_utf8(text)
+    """Names of the heuristics that match `text`, folded (text_fold.py), or empty when none."""
+    data = lrx.to_utf8(fold(text))
     return [name for name, pattern in _HEURISTICS.items() if pattern.search(data)]
 
 
@@ -404,7 +405,11 @@ class InjectionDetector:
         """Verdict for one text; `embedding` is one vector or one row per `embedding_chunks` piece.
         ``document`` marks a retrieved passage or tool result (its own threshold)."""
         hits = heuristic_hits(text) if self.use_heuristics else []
-        score = self.scorer.score_input(text, embedding) if self.scorer is not None else None
+        score = None
+        if self.scorer is not None:
+            # A scorer may score documents its own way (the ensemble's document stacker).
+            scoring = getattr(self.scorer, "score_document", None) if document else None
+            score = (scoring or self.scorer.score_input)(text, embedding)
         if hits:
             return Verdict.block(self.rail, PolicyCode.PROMPT_INJECTION, f"matched heuristic {hits[0]}", score)
         threshold = self.document_threshold if document else self.threshold

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,12 +28,14 @@ from typing import Any
 import numpy as np
 
 from guardrails.detectors.injection import InjectionClassifier, embedding_chunks
+from guardrails.detectors.text_fold import fold
 
 logger = logging.getLogger(__name__)
 
 COMPONENTS = ("minilm", "use", "char")
 CHAR_FEATURES = 2**18
 USE_DIM = 512
+_PRIMED_MAX = 1024  # chunks primed but not yet scored (a request's texts, times the requests in flight)
 
 
 def char_vectorizer():
@@ -79,12 +82,20 @@ class InjectionEnsemble:
     stack_weights: np.ndarray
     stack_bias: float
     metadata: dict[str, Any] = field(default_factory=dict)
+    # A stacker of its own for documents (retrieved passages, tool results): fitted on document
+    # rows, where the components' strengths differ from chat turns'. None: the chat stacker.
+    doc_stack_weights: np.ndarray | None = None
+    doc_stack_bias: float = 0.0
 
     def __post_init__(self) -> None:
         self._use: UseEncoder | None = None
+        # USE vectors computed ahead (``prime``), by chunk text, used once by ``score_input``.
+        self._primed: dict[str, np.ndarray] = {}
+        self._primed_lock = threading.Lock()
         self._char = char_vectorizer() if "char" in self.components else None
-        if len(self.stack_weights) != len(self.components):
-            raise ValueError("one stacking weight per component")
+        for weights in (self.stack_weights, self.doc_stack_weights):
+            if weights is not None and len(weights) != len(self.components):
+                raise ValueError("one stacking weight per component")
 
     # --- InjectionScorer ---------------------------------------------------------------
 
@@ -107,7 +118,14 @@ class InjectionEnsemble:
         return "use" in self.components
 
     def score_input(self, text: str, embedding: np.ndarray | None) -> float:
-        """P(injection): the highest score over the text's chunks."""
+        """P(injection) of a chat turn: the highest score over the text's chunks."""
+        return self._score(text, embedding, document=False)
+
+    def score_document(self, text: str, embedding: np.ndarray | None) -> float:
+        """P(injection) of a document, by the document stacker (the chat one if there is none)."""
+        return self._score(text, embedding, document=True)
+
+    def _score(self, text: str, embedding: np.ndarray | None, *, document: bool) -> float:
         chunks = embedding_chunks(text)
         if self.uses_embedding:
             if embedding is None:
@@ -115,26 +133,32 @@ class InjectionEnsemble:
             embedding = np.atleast_2d(embedding)
             if len(embedding) != len(chunks):
                 raise ValueError(f"{len(embedding)} embeddings for {len(chunks)} chunks")
-        return float(np.max(self.stack(self.component_scores(chunks, embedding))))
+        return float(np.max(self.stack(self.component_scores(chunks, embedding), document=document)))
 
     # --- parts -------------------------------------------------------------------------
 
     def component_scores(self, chunks: list[str], minilm_vectors: np.ndarray | None) -> np.ndarray:
-        """(n_chunks, n_components) P(injection) of each component on each chunk."""
+        """(n_chunks, n_components) P(injection) of each component on each chunk. USE and the
+        character n-grams read the folded chunks (text_fold.py), as in training."""
         columns = []
+        folded = [fold(c) for c in chunks]
         for name in self.components:
             if name == "minilm":
                 assert self.minilm is not None
                 columns.append(self.minilm.score(np.atleast_2d(minilm_vectors)))
             elif name == "use":
-                columns.append(self.score_use(self.use_encoder().encode(chunks)))
+                columns.append(self.score_use(self._use_vectors(folded)))
             else:
-                columns.append(self.score_char(chunks))
+                columns.append(self.score_char(folded))
         return np.stack(columns, axis=1)
 
-    def stack(self, scores: np.ndarray) -> np.ndarray:
+    def stack(self, scores: np.ndarray, *, document: bool = False) -> np.ndarray:
         """Combined P(injection) from (n, n_components) component probabilities."""
-        return _sigmoid(_logit(np.atleast_2d(scores)) @ self.stack_weights + self.stack_bias)
+        if document and self.doc_stack_weights is not None:
+            weights, bias = self.doc_stack_weights, self.doc_stack_bias
+        else:
+            weights, bias = self.stack_weights, self.stack_bias
+        return _sigmoid(_logit(np.atleast_2d(scores)) @ weights + bias)
 
     def score_use(self, vectors: np.ndarray) -> np.ndarray:
         assert self.use_weights is not None
@@ -143,6 +167,28 @@ class InjectionEnsemble:
     def score_char(self, texts: list[str]) -> np.ndarray:
         assert self._char is not None and self.char_weights is not None
         return _sigmoid(np.asarray(self._char.transform(texts) @ self.char_weights).ravel() + self.char_bias)
+
+    def prime(self, texts: list[str]) -> None:
+        """Encode ``texts``' chunks with USE now (in a thread, while the MiniLM vectors the
+        scorer also needs are computed in another), for the ``score_input`` calls that follow.
+        Vectors not used by then are dropped at the next prime beyond ``_PRIMED_MAX``."""
+        if "use" not in self.components:
+            return
+        chunks = [fold(c) for t in texts for c in embedding_chunks(t)]
+        vectors = self.use_encoder().encode(chunks)
+        with self._primed_lock:
+            if len(self._primed) > _PRIMED_MAX:
+                self._primed.clear()
+            self._primed.update(zip(chunks, vectors))
+
+    def _use_vectors(self, chunks: list[str]) -> np.ndarray:
+        with self._primed_lock:
+            found = [self._primed.pop(c, None) for c in chunks]
+        missing = [c for c, v in zip(chunks, found) if v is None]
+        if missing:
+            encoded = iter(self.use_encoder().encode(missing))
+            found = [v if v is not None else next(encoded) for v in found]
+        return np.stack(found)
 
     def use_encoder(self) -> UseEncoder:
         if self._use is None:
@@ -166,6 +212,11 @@ class InjectionEnsemble:
             arrays |= {"use_weights": self.use_weights.astype(np.float32), "use_bias": np.float32(self.use_bias)}
         if self.char_weights is not None:
             arrays |= {"char_weights": self.char_weights.astype(np.float32), "char_bias": np.float32(self.char_bias)}
+        if self.doc_stack_weights is not None:
+            arrays |= {
+                "doc_stack_weights": self.doc_stack_weights.astype(np.float32),
+                "doc_stack_bias": np.float32(self.doc_stack_bias),
+            }
         np.savez_compressed(Path(path), **arrays)
 
     @classmethod
@@ -191,6 +242,8 @@ class InjectionEnsemble:
             stack_weights=data["stack_weights"].astype(np.float32),
             stack_bias=float(data["stack_bias"]),
             metadata=metadata,
+            doc_stack_weights=data["doc_stack_weights"].astype(np.float32) if "doc_stack_weights" in has else None,
+            doc_stack_bias=float(data["doc_stack_bias"]) if "doc_stack_bias" in has else 0.0,
         )
 
 
