@@ -191,22 +191,29 @@ def test_full_engine_queue_is_a_503_with_retry_after(bounds_url, engine_events):
     assert reply.json()["choices"][0]["message"]["content"] == "ok"
 
 
-def test_openai_sdk_retries_an_overload_and_gets_through(bounds_url):
+def test_openai_sdk_retries_an_overload_and_gets_through(bounds_url, engine_events):
     """With Retry-After the SDK's own retry logic takes a refused request through: the patient
     client's first try is refused (one request runs, one waits: the queue is full) and a retry
-    is answered."""
+    is answered. The holding requests go in one after the other: two arriving at once are both
+    pending in Serve's router for an instant, and the second of them would be the one refused."""
     from openai import DefaultHttpxClient, OpenAI
 
     statuses: list[int] = []
     seen = DefaultHttpxClient(event_hooks={"response": [lambda r: statuses.append(r.status_code)]})
     hold = OpenAI(base_url=bounds_url + "/v1", api_key=API_KEY, max_retries=0, timeout=30)
     patient = OpenAI(base_url=bounds_url + "/v1", api_key=API_KEY, max_retries=3, timeout=30, http_client=seen)
+
+    def holding(tag: str):
+        prompt = f"[[tokens:3]][[delay-ms:300]] {tag}"
+        return pool.submit(
+            hold.chat.completions.create, model=BOUNDS_MODEL, messages=[{"role": "user", "content": prompt}]
+        )
+
     with ThreadPoolExecutor(3) as pool:
-        busy = [
-            pool.submit(hold.chat.completions.create, model=BOUNDS_MODEL, messages=[{"role": "user", "content": p}])
-            for p in ("[[tokens:3]][[delay-ms:300]] a", "[[tokens:3]][[delay-ms:300]] b")
-        ]
-        time.sleep(0.3)
+        busy = [holding("a")]
+        assert _wait_for(lambda: engine_events("started")), "the first holding request never reached the engine"
+        busy.append(holding("b"))
+        time.sleep(0.3)  # the second one waits in the queue
         reply = patient.chat.completions.create(
             model=BOUNDS_MODEL, messages=[{"role": "user", "content": "[[say:through]]"}]
         )
