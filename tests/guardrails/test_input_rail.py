@@ -94,11 +94,7 @@ def test_build_injection_scorer_loads_the_shipped_artifact_by_default():
     assert build_injection_scorer(load_policy({"injection": {"enabled": False}}).injection) is None
     assert DEFAULT_ARTIFACT.exists(), f"no trained artifact at {DEFAULT_ARTIFACT}: run `make models`"
     scorer = build_injection_scorer(load_policy({}).injection)
-    # As trained by `make models`: USE through its hidden layer, character n-grams, and a
-    # stacker of its own for documents; no MiniLM component (README, Guardrails).
-    assert isinstance(scorer, InjectionEnsemble) and scorer.components == ("use", "char")
-    assert scorer.use_hidden_weights.shape == (512, 256) and scorer.doc_stack_weights is not None
-    assert not scorer.uses_embedding
+    assert isinstance(scorer, InjectionEnsemble) and scorer.minilm.dim == 384
 
 
 def test_only_model_scorers_are_sent_off_the_event_loop():
