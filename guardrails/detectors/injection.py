@@ -405,11 +405,7 @@ class InjectionDetector:
         """Verdict for one text; `embedding` is one vector or one row per `embedding_chunks` piece.
         ``document`` marks a retrieved passage or tool result (its own threshold)."""
         hits = heuristic_hits(text) if self.use_heuristics else []
-        score = None
-        if self.scorer is not None:
-            # A scorer may score documents its own way (the ensemble's document stacker).
-            scoring = getattr(self.scorer, "score_document", None) if document else None
-            score = (scoring or self.scorer.score_input)(text, embedding)
+        score = self.scorer.score_input(text, embedding) if self.scorer is not None else None
         if hits:
             return Verdict.block(self.rail, PolicyCode.PROMPT_INJECTION, f"matched heuristic {hits[0]}", score)
         threshold = self.document_threshold if document else self.threshold

@@ -28,7 +28,6 @@ from typing import Any
 import numpy as np
 
 from guardrails.detectors.injection import InjectionClassifier, embedding_chunks
-from guardrails.detectors.text_fold import fold
 
 logger = logging.getLogger(__name__)
 
@@ -82,10 +81,6 @@ class InjectionEnsemble:
     stack_weights: np.ndarray
     stack_bias: float
     metadata: dict[str, Any] = field(default_factory=dict)
-    # A stacker of its own for documents (retrieved passages, tool results): fitted on document
-    # rows, where the components' strengths differ from chat turns'. None: the chat stacker.
-    doc_stack_weights: np.ndarray | None = None
-    doc_stack_bias: float = 0.0
 
     def __post_init__(self) -> None:
         self._use: UseEncoder | None = None
@@ -93,9 +88,8 @@ class InjectionEnsemble:
         self._primed: dict[str, np.ndarray] = {}
         self._primed_lock = threading.Lock()
         self._char = char_vectorizer() if "char" in self.components else None
-        for weights in (self.stack_weights, self.doc_stack_weights):
-            if weights is not None and len(weights) != len(self.components):
-                raise ValueError("one stacking weight per component")
+        if len(self.stack_weights) != len(self.components):
+            raise ValueError("one stacking weight per component")
 
     # --- InjectionScorer ---------------------------------------------------------------
 
@@ -118,14 +112,7 @@ class InjectionEnsemble:
         return "use" in self.components
 
     def score_input(self, text: str, embedding: np.ndarray | None) -> float:
-        """P(injection) of a chat turn: the highest score over the text's chunks."""
-        return self._score(text, embedding, document=False)
-
-    def score_document(self, text: str, embedding: np.ndarray | None) -> float:
-        """P(injection) of a document, by the document stacker (the chat one if there is none)."""
-        return self._score(text, embedding, document=True)
-
-    def _score(self, text: str, embedding: np.ndarray | None, *, document: bool) -> float:
+        """P(injection): the highest score over the text's chunks."""
         chunks = embedding_chunks(text)
         if self.uses_embedding:
             if embedding is None:
@@ -133,32 +120,28 @@ class InjectionEnsemble:
             embedding = np.atleast_2d(embedding)
             if len(embedding) != len(chunks):
                 raise ValueError(f"{len(embedding)} embeddings for {len(chunks)} chunks")
-        return float(np.max(self.stack(self.component_scores(chunks, embedding), document=document)))
+        return float(np.max(self.stack(self.component_scores(chunks, embedding))))
 
     # --- parts -------------------------------------------------------------------------
 
     def component_scores(self, chunks: list[str], minilm_vectors: np.ndarray | None) -> np.ndarray:
-        """(n_chunks, n_components) P(injection) of each component on each chunk. USE and the
-        character n-grams read the folded chunks (text_fold.py), as in training."""
+        """(n_chunks, n_components) P(injection) of each component on each chunk. The raw text,
+        as in training (the shipped classifier was trained before text_fold.py; the heuristics
+        read folded text)."""
         columns = []
-        folded = [fold(c) for c in chunks]
         for name in self.components:
             if name == "minilm":
                 assert self.minilm is not None
                 columns.append(self.minilm.score(np.atleast_2d(minilm_vectors)))
             elif name == "use":
-                columns.append(self.score_use(self._use_vectors(folded)))
+                columns.append(self.score_use(self._use_vectors(chunks)))
             else:
-                columns.append(self.score_char(folded))
+                columns.append(self.score_char(chunks))
         return np.stack(columns, axis=1)
 
-    def stack(self, scores: np.ndarray, *, document: bool = False) -> np.ndarray:
+    def stack(self, scores: np.ndarray) -> np.ndarray:
         """Combined P(injection) from (n, n_components) component probabilities."""
-        if document and self.doc_stack_weights is not None:
-            weights, bias = self.doc_stack_weights, self.doc_stack_bias
-        else:
-            weights, bias = self.stack_weights, self.stack_bias
-        return _sigmoid(_logit(np.atleast_2d(scores)) @ weights + bias)
+        return _sigmoid(_logit(np.atleast_2d(scores)) @ self.stack_weights + self.stack_bias)
 
     def score_use(self, vectors: np.ndarray) -> np.ndarray:
         assert self.use_weights is not None
@@ -174,7 +157,7 @@ class InjectionEnsemble:
         Vectors not used by then are dropped at the next prime beyond ``_PRIMED_MAX``."""
         if "use" not in self.components:
             return
-        chunks = [fold(c) for t in texts for c in embedding_chunks(t)]
+        chunks = [c for t in texts for c in embedding_chunks(t)]
         vectors = self.use_encoder().encode(chunks)
         with self._primed_lock:
             if len(self._primed) > _PRIMED_MAX:
@@ -212,11 +195,6 @@ class InjectionEnsemble:
             arrays |= {"use_weights": self.use_weights.astype(np.float32), "use_bias": np.float32(self.use_bias)}
         if self.char_weights is not None:
             arrays |= {"char_weights": self.char_weights.astype(np.float32), "char_bias": np.float32(self.char_bias)}
-        if self.doc_stack_weights is not None:
-            arrays |= {
-                "doc_stack_weights": self.doc_stack_weights.astype(np.float32),
-                "doc_stack_bias": np.float32(self.doc_stack_bias),
-            }
         np.savez_compressed(Path(path), **arrays)
 
     @classmethod
@@ -242,8 +220,6 @@ class InjectionEnsemble:
             stack_weights=data["stack_weights"].astype(np.float32),
             stack_bias=float(data["stack_bias"]),
             metadata=metadata,
-            doc_stack_weights=data["doc_stack_weights"].astype(np.float32) if "doc_stack_weights" in has else None,
-            doc_stack_bias=float(data["doc_stack_bias"]) if "doc_stack_bias" in has else 0.0,
         )
 
 

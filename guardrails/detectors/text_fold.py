@@ -4,12 +4,12 @@ Attackers hide an instruction from pattern matchers while a language model still
 fullwidth or other compatibility letters (``ｉｇｎｏｒｅ``), invisible format characters between
 letters (``ig\u200bnore``), Unicode tag characters that spell ASCII invisibly ("ASCII smuggling"),
 Cyrillic or Greek look-alikes inside Latin words (``іgnоre``), and Turkish dotted and dotless i
-(``İGNORE ALL PREVİOUS İNSTRUCTİONS``). ``fold`` undoes each, so the heuristics, the character
-n-grams and the multilingual encoder see ``ignore``. Training folds the same way
-(guardrails/train_injection.py), so scores mean the same at serving time.
+(``İGNORE ALL PREVİOUS İNSTRUCTİONS``). ``fold`` undoes each, so the injection heuristics see
+``ignore``. The classifier reads the raw text it was trained on: it should read folded text only
+once training folds too (issue 14).
 
-Only the injection rail reads folded text; PII redaction works on the original, whose spans it
-rewrites. Linear in the text: no regular expression, one pass per step.
+Only the injection heuristics read folded text; PII redaction works on the original, whose spans
+it rewrites. Linear in the text: no regular expression, one pass per step.
 """
 
 from __future__ import annotations

@@ -35,19 +35,6 @@ def test_hidden_attacks_fold_to_what_they_say_and_the_heuristics_see_them(hidden
 
 
 @pytest.mark.parametrize(
-    "hidden",
-    [ATTACK.upper().replace("I", "\u0130"), ATTACK.replace("i", "\u0131")],  # Turkish dotted I, dotless i
-)
-def test_turkish_i_folds_for_the_character_model(hidden):
-    """RE2's case folding already equates them with i; the character n-grams do not."""
-    from guardrails.detectors.injection_ensemble import char_vectorizer
-
-    vectorize = char_vectorizer().transform
-    assert (vectorize([hidden]) != vectorize([ATTACK])).nnz > 0
-    assert (vectorize([fold(hidden)]) != vectorize([ATTACK])).nnz == 0
-
-
-@pytest.mark.parametrize(
     "text",
     [
         "Привет! Как дела? Расскажи про Москву.",  # Cyrillic words stay Cyrillic
