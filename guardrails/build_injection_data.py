@@ -215,8 +215,13 @@ def _parts(first: str, later: str) -> dict[str, list[str]]:
     out = _groups(HANDWRITTEN / f"ml_{first}.txt")
     for folder in _more_sets():
         if (folder / later).exists():
-            out |= {f"{folder.name}/{g}": lines for g, lines in _groups(folder / later).items()}
+            out |= {f"{folder.name}/{g}": [_unescape(t) for t in ts] for g, ts in _groups(folder / later).items()}
     return out
+
+
+def _unescape(text: str) -> str:
+    """Later passes write a line break inside a text as ``\\n`` (one text per line)."""
+    return text.replace("\\n", "\n")
 
 
 def _lang(group: str) -> str:
@@ -227,7 +232,8 @@ def _more_chat(name: str, label: int, source: str, category: str) -> Iterator[tu
     for folder in _more_sets():
         if (folder / name).exists():
             for split, row in _handwritten(folder / name, label, source, category):
-                yield split, replace(row, group=f"{source}:{folder.name}/{row.group.split(':', 1)[1]}")
+                group = f"{source}:{folder.name}/{row.group.split(':', 1)[1]}"
+                yield split, replace(row, text=_unescape(row.text), group=group)
 
 
 def _composed() -> Iterator[tuple[str, Row]]:
