@@ -33,9 +33,9 @@ $(GATEWAY_MODELS_DIR)/.prepared: $(VENV)/.installed-$(PROFILE) engines/provision
 	$(PY) -m engines.provision --models-dir $(GATEWAY_MODELS_DIR)
 	touch $@
 
-# The prompt-injection classifier (MiniLM + multilingual USE + character n-grams, stacked) is
+# The prompt-injection classifier (multilingual USE read by a small network + character n-grams, stacked) is
 # trained here, from the labeled set in guardrails/data.
-$(GATEWAY_MODELS_DIR)/injection_classifier.npz: $(GATEWAY_MODELS_DIR)/.prepared guardrails/data/injection_train.jsonl guardrails/train_injection.py guardrails/detectors/injection_ensemble.py retrieval/encoder.py
+$(GATEWAY_MODELS_DIR)/injection_classifier.npz: $(GATEWAY_MODELS_DIR)/.prepared guardrails/data/injection_train.jsonl guardrails/train_injection.py guardrails/detectors/injection_ensemble.py guardrails/detectors/text_fold.py retrieval/encoder.py
 	$(PY) -m guardrails.train_injection --model-dir $(GATEWAY_MODELS_DIR)/all-MiniLM-L6-v2 --out $@.tmp.npz
 	mv $@.tmp.npz $@
 

@@ -21,10 +21,12 @@ input rails, which check what users write):
     [[reject]]          answer with a 400 ErrorResponse, as vLLM does for bad values
     otherwise           reply "echo: <last user message>"
 
-Every TEXT directive has a ``-hex`` twin taking UTF-8 text hex-encoded (``[[say-hex:HEX]]``,
-``[[chars-hex:HEX]]``, ``[[say-n-hex:HEXA|HEXB]]``, ``[[reason-hex:HEX]]``,
-``[[refusal-hex:HEX]]``, ``[[tool-hex:NAME:HEXARGS]]``, ``[[alt-hex:HEX]]``), so a test can
-make the engine say what the input rails would refuse to forward.
+Every TEXT directive has a ``-hex`` twin taking UTF-8 text hex-encoded and written backwards
+(``[[say-hex:HEX]]``, ``[[chars-hex:HEX]]``, ``[[say-n-hex:HEXA|HEXB]]``, ``[[reason-hex:HEX]]``,
+``[[refusal-hex:HEX]]``, ``[[tool-hex:NAME:HEXARGS]]``, ``[[alt-hex:HEX]]``; ``HEX`` is
+``text.encode().hex()[::-1]``), so a test can make the engine say what the input rails would
+refuse to forward: the injection rail decodes hex and base64 runs that are text
+(guardrails/detectors/text_fold.py), and reversed hex decodes to no text.
 
 ``n`` gives n choices. When the request asks for ``logprobs`` (chat) or ``logprobs: k``
 (completions), every streamed piece of every field gets an entry: token = the piece, its
@@ -119,8 +121,8 @@ def _text_of(content: Any) -> str:
 def _unhex(value: str, name: str) -> str:
     if name == "tool":  # NAME:HEXARGS
         tool, _, args = value.partition(":")
-        return f"{tool}:{bytes.fromhex(args).decode()}"
-    return "|".join(bytes.fromhex(part).decode() for part in value.split("|"))
+        return f"{tool}:{bytes.fromhex(args[::-1]).decode()}"
+    return "|".join(bytes.fromhex(part[::-1]).decode() for part in value.split("|"))
 
 
 def _words(text: str) -> list[str]:

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import argparse
 import ast
+import base64
 import hashlib
 import json
 import logging
 import random
 import re
+import uuid
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -192,7 +194,7 @@ def _groups(path: Path) -> dict[str, list[str]]:
             group = line.split(":", 1)[1].strip()
             out[group] = []
         elif line.strip() and not line.startswith("#"):
-            out[group].append(line.strip())
+            out[group].append(line.strip().removeprefix("\\"))  # "\\#": data that starts with "#"
     return out
 
 
@@ -220,8 +222,60 @@ def _parts(first: str, later: str) -> dict[str, list[str]]:
 
 
 def _unescape(text: str) -> str:
-    """Later passes write a line break inside a text as ``\\n`` (one text per line)."""
-    return text.replace("\\n", "\n")
+    """Later passes write a line break inside a text as ``\\n`` (one text per line), and
+    encoded data as placeholders (``{HEX40}``, ``{B64TEXT}``...) filled here."""
+    text = text.replace("\\n", "\n")
+    if "{" not in text:
+        return text
+    rng = random.Random(hashlib.sha256(text.encode()).digest())  # the same values every build
+    return re.sub(r"\{([A-Z0-9]+)\}", lambda m: _encoded_value(m.group(1), rng) or m.group(0), text)
+
+
+# Ordinary sentences that a pasted base64 string ({B64TEXT}) decodes to.
+_PLAIN = [
+    "Hello, this is a test message.",
+    "server=db01.internal port=5432 user=report",
+    "Meeting moved to Thursday at 10:30.",
+    "Bonjour, merci pour votre commande.",
+    "Guten Tag, Ihre Rechnung ist angehängt.",
+    "Hola, el paquete llegará mañana.",
+    "你好，欢迎使用我们的服务。",
+    "こんにちは、よろしくお願いします。",
+    '{"user_id": 4821, "role": "viewer"}',
+    "username:alice",
+]
+
+
+def _encoded_value(kind: str, rng: random.Random) -> str | None:
+    """A value for one placeholder of the encoded-data texts (guardrails/data/README.md)."""
+    hexs = lambda n: "".join(rng.choice("0123456789abcdef") for _ in range(n))  # noqa: E731
+    raw = lambda n: bytes(rng.randrange(256) for _ in range(n))  # noqa: E731
+    b64url = lambda b: base64.urlsafe_b64encode(b).rstrip(b"=").decode()  # noqa: E731
+    values = {
+        "HEX16": lambda: hexs(16),
+        "HEX40": lambda: hexs(40),
+        "HEX64": lambda: hexs(64),
+        "HEXRUN": lambda: hexs(2 * rng.randrange(30, 100)),
+        "HEXDUMP": lambda: (" " if rng.random() < 0.5 else ",").join(
+            (f"0x{b:02x}" if rng.random() < 0.3 else f"{b:02x}") for b in raw(rng.randrange(12, 40))
+        ),
+        "B64TEXT": lambda: base64.b64encode(rng.choice(_PLAIN).encode()).decode(),
+        "B64BIN": lambda: base64.b64encode(raw(rng.randrange(18, 90))).decode(),
+        "UUID": lambda: str(uuid.UUID(bytes=raw(16), version=4)),
+        "JWT": lambda: ".".join(
+            [
+                b64url(b'{"alg":"HS256","typ":"JWT"}'),
+                b64url(
+                    json.dumps(
+                        {"sub": str(rng.randrange(10**6)), "exp": rng.randrange(1_700_000_000, 1_800_000_000)}
+                    ).encode()
+                ),
+                b64url(raw(32)),
+            ]
+        ),
+    }
+    make = values.get(kind)
+    return make() if make else None
 
 
 def _lang(group: str) -> str:

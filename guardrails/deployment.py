@@ -228,19 +228,25 @@ class Guardrails:
         prime = getattr(guard.injection.scorer if guard.injection else None, "prime", None)
         primed = asyncio.ensure_future(asyncio.to_thread(prime, list(texts))) if prime is not None else None
         embeddings: list[np.ndarray | None] = [None] * len(texts)
+        # The MiniLM vectors: for the rails that read them (denied topics, a MiniLM scorer), and
+        # for the retrieval search, which is handed the query's vector (``vectors``) so the
+        # request is embedded once, in this replica, whatever the rails need.
+        wanted = [t for t in texts if vectors is not None and t in vectors]
+        to_embed = list(texts) if guard.needs_embedding else wanted
         try:
-            if guard.needs_embedding:
+            if to_embed:
                 try:
                     started = time.perf_counter()
-                    embeddings = await self._embed_chunked(texts)
+                    computed = dict(zip(to_embed, await self._embed_chunked(to_embed)))
                     guard.metrics.record_latency("embedding", time.perf_counter() - started)
-                    for text, embedding in zip(texts, embeddings):
-                        if vectors is not None and text in vectors and embedding is not None and len(embedding) == 1:
-                            vectors[text] = embedding[0]  # one chunk: the embedding of the whole text
+                    embeddings = [computed.get(t) for t in texts]
+                    for text in wanted:
+                        if computed[text] is not None and len(computed[text]) == 1:
+                            vectors[text] = computed[text][0]  # one chunk: the embedding of the whole text
                 except Exception as exc:  # embedding service down: the rails that need it fail closed
                     guard.metrics.record_error("embedding")
                     logger.error("embedding for guardrails failed: %s", type(exc).__name__)
-                    if not guard.policy.fail_open:
+                    if guard.needs_embedding and not guard.policy.fail_open:
                         return [
                             Verdict.block("embedding", PolicyCode.RAIL_ERROR, "embedding service unavailable")
                         ] * len(texts)

@@ -120,12 +120,18 @@ def load_disjoint(path: Path = DISJOINT_EVAL) -> list[DisjointRow]:
     return rows
 
 
-def detector_scores(scorer: InjectionClassifier | InjectionEnsemble, encoder: SentenceEncoder, texts: list[str]):
-    """Score of every detector on every text: each component alone, the stacked ensemble, and
-    the heuristics (0/1). Chunked exactly as at serving time, maximum over chunks."""
+def detector_scores(
+    scorer: InjectionClassifier | InjectionEnsemble,
+    encoder: SentenceEncoder,
+    texts: list[str],
+    documents: list[bool] | None = None,
+):
+    """Score of every detector on every text: each component alone, the stacked ensemble (its
+    document stacker for ``documents``), and the heuristics (0/1). Chunked exactly as at
+    serving time, maximum over chunks."""
     chunked = embed_chunked(encoder, texts)
     out: dict[str, list[float]] = defaultdict(list)
-    for text, vectors in zip(texts, chunked):
+    for text, vectors, document in zip(texts, chunked, documents or [False] * len(texts)):
         out["heuristics"].append(float(bool(heuristic_hits(text))))
         if isinstance(scorer, InjectionClassifier):
             out["minilm"].append(float(scorer.score(vectors).max()))
@@ -133,7 +139,7 @@ def detector_scores(scorer: InjectionClassifier | InjectionEnsemble, encoder: Se
         parts = scorer.component_scores(embedding_chunks(text), vectors)
         for j, name in enumerate(scorer.components):
             out[name].append(float(parts[:, j].max()))
-        out["ensemble"].append(float(scorer.stack(parts).max()))
+        out["ensemble"].append(float(scorer.stack(parts, document=document).max()))
     return {name: np.array(values) for name, values in out.items()}
 
 
@@ -276,7 +282,7 @@ def main() -> None:
     if not args.skip_split:
         data = load_rows(args.eval)
         document = np.array([slot == "document" for slot in data.slots])
-        s = detector_scores(scorer, encoder, data.texts)
+        s = detector_scores(scorer, encoder, data.texts, list(document))
         heur = s["heuristics"] >= 0.5
         flagged = s[main_name] >= np.where(document, doc_threshold, threshold)
         predictions = {"heuristics": heur, main_name: flagged, "combined": heur | flagged}
@@ -288,7 +294,7 @@ def main() -> None:
 
     rows = load_disjoint(args.disjoint)
     document = np.array([r.slot == "document" for r in rows])
-    scores = detector_scores(scorer, encoder, [r.text for r in rows])
+    scores = detector_scores(scorer, encoder, [r.text for r in rows], list(document))
     combined = (scores["heuristics"] >= 0.5) | (scores[main_name] >= np.where(document, doc_threshold, threshold))
     scores["combined"] = np.maximum(scores["heuristics"], scores[main_name])
     deployed = {"user": combined, "document": combined}

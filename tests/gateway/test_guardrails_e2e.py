@@ -26,7 +26,7 @@ def chat(client, content: str, script: str | None = None, **kwargs):
 
 
 def say_hex(text: str) -> str:
-    return f"[[say-hex:{text.encode().hex()}]]"
+    return f"[[say-hex:{text.encode().hex()[::-1]}]]"  # reversed hex: see engines/scripted_engine.py
 
 
 def test_credit_card_is_blocked_before_the_engine(client, engine_events):

@@ -271,12 +271,6 @@ def test_concurrent_requests_and_release_on_finish(limited):
     assert limited.post("conc", _chat("[[tokens:1]]")).status_code == 200
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known bug (issue 10 note): run after test_concurrent_requests_and_release_on_finish in the whole "
-    "fast tier, the slot of a stream whose client left is sometimes not freed within 10 s; alone and in loops "
-    "it is freed in 0.1-0.2 s since streams settle in their response (gateway/sse.py EventStream)",
-)
 def test_a_disconnected_stream_frees_its_slot(limited, engine_events):
     slow = _chat("[[delay-ms:100]][[tokens:20]]", stream=True)
     headers = {"Authorization": f"Bearer {limited.keys['conc']}"}

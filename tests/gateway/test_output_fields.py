@@ -1,6 +1,6 @@
 """Output rails cover every field that carries generated text, through the real Serve app.
 
-The scripted engine is told what to say in hex (``[[say-hex:...]]``), so the input rails, which
+The scripted engine is told what to say in reversed hex (``[[say-hex:...]]``), so the input rails, which
 read every message, never see the denied term or the e-mail address; only the output rails
 stand between them and the client. Every check reads the raw HTTP bytes (and decodes every
 ``bytes`` array in them), and the texts a client would rebuild from the stream.
@@ -21,7 +21,7 @@ TAIL = " ".join(f"v{i}" for i in range(150))
 
 
 def hx(text: str) -> str:
-    return text.encode().hex()
+    return text.encode().hex()[::-1]  # the scripted engine's -hex twins read hex backwards
 
 
 def directives(**kinds: str | list[str]) -> str:
@@ -50,8 +50,8 @@ def request(script: str, *, chat: bool, stream: bool, **fields) -> tuple[str, di
         }
         return "/v1/chat/completions", {**body, "stream": stream, **fields}
     # Completions have no system role: the script is user text, read by every input rail. A
-    # line of prose keeps the injection classifier from reading a bare run of hex directives as
-    # an encoded payload (which it rightly scores high: 0.89 alone, 0.67 with this line).
+    # line of prose gives the injection classifier words to judge: a bare run of bracketed
+    # directives (each hex run folded to "[encoded]") reads to it like markup commands.
     prompt = "Write a short story about a cat.\n" + script
     return "/v1/completions", {"model": MODEL, "prompt": prompt, "stream": stream, "max_tokens": 1000, **fields}
 
