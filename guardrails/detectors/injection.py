@@ -411,7 +411,7 @@ class InjectionDetector:
         """Verdict for one text; `embedding` is one vector or one row per `embedding_chunks` piece.
         ``document`` marks a retrieved passage or tool result (its own threshold)."""
         # Encoded runs (base64, hex) are folded to "[encoded]" for the scorer; what they decode
-        # to, when it is text, is judged as a text of its own (text_fold.decoded_payloads).
+        # to, when it is text, is judged as a text of its own (text_fold.decoded_payloads), every one of them.
         payloads = decoded_payloads(text)
         hits = [h for t in (text, *payloads) for h in heuristic_hits(t)] if self.use_heuristics else []
         score = None

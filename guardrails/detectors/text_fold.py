@@ -51,7 +51,6 @@ _B64_CHARS = frozenset(string.ascii_letters + string.digits + "+/-_")
 _HEX_CHARS = frozenset(string.hexdigits)
 _MIN_HEX = 16  # a 64-bit value; git's short SHAs (7-12) stay words
 _MIN_B64 = 20  # 15 bytes; below this, ordinary identifiers and words
-_MAX_PAYLOADS = 16
 
 
 def fold(text: str) -> str:
@@ -77,16 +76,11 @@ def fold(text: str) -> str:
 
 def decoded_payloads(text: str) -> list[str]:
     """What the encoded runs of ``text`` (folded first) decode to, where that is readable text:
-    base64 or hex of UTF-8, one level deep, at most 16 of them."""
+    base64 or hex of UTF-8, one level deep. All of them (a cap would let an attack hide behind
+    enough harmless runs); together they are shorter than ``text``."""
     folded = unicodedata.normalize("NFKC", text).translate(_TABLE)
-    out = []
-    for start, end in _encoded_spans(folded):
-        decoded = _decode(folded[start:end])
-        if decoded is not None:
-            out.append(decoded)
-            if len(out) == _MAX_PAYLOADS:
-                break
-    return out
+    decoded = (_decode(folded[start:end]) for start, end in _encoded_spans(folded))
+    return [d for d in decoded if d is not None]
 
 
 def _encoded_spans(text: str) -> list[tuple[int, int]]:

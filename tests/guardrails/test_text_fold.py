@@ -145,4 +145,9 @@ def test_encoded_runs_are_found_in_linear_time():
     started = time.process_time()
     fold(text), decoded_payloads(text)
     assert time.process_time() - started < 1.0
-    assert len(decoded_payloads(text)) == 16  # at most 16 payloads per text
+    assert len(decoded_payloads(text)) == 3000  # every one: none hides behind the others
+
+
+def test_an_attack_behind_many_harmless_encoded_runs_is_still_judged():
+    harmless = " ".join(_b64(f"hello number {i}") for i in range(40))
+    assert InjectionDetector(None, 0.5).check(f"{harmless} {_b64(ATTACK)}").blocked
