@@ -15,7 +15,7 @@ from gateway.config import GatewayConfig, LoadedConfig
 from gateway.ingress import Gateway
 from gateway.limiter import Limiter
 from guardrails.deployment import Guardrails
-from retrieval.config import RetrievalConfig
+from retrieval.config import EmbeddingModelConfig, RetrievalConfig
 from retrieval.embedding_deployment import OMP_ENV, Embedder
 from retrieval.service import Retriever
 
@@ -50,6 +50,9 @@ def build_gateway(config: LoadedConfig, user_config: dict[str, Any] | None = Non
             retrieval_config = RetrievalConfig(
                 storage_dir=config.resolve(gw.retrieval.storage_dir),
                 embedding=embedding_config,
+                query_encoder=_local_encoder(embedding_config, gw.retrieval.query_backend)
+                if gw.retrieval.query_embedding == "local"
+                else None,
                 index=gw.retrieval.index,
                 chunking=gw.retrieval.chunking,
                 ingest=gw.retrieval.ingest,
@@ -59,7 +62,7 @@ def build_gateway(config: LoadedConfig, user_config: dict[str, Any] | None = Non
                 **_scaling(gw.retrieval),
                 max_queued_requests=gw.retrieval.max_queued_requests,
                 backpressure_config=backpressure,
-                ray_actor_options=_actor(gw.retrieval),
+                ray_actor_options=_actor(gw.retrieval, runtime_env={"env_vars": OMP_ENV}),
             ).bind(embedder, retrieval_config)
     if gw.guardrails.enabled:
         classifier = (
@@ -67,13 +70,11 @@ def build_gateway(config: LoadedConfig, user_config: dict[str, Any] | None = Non
             if gw.guardrails.classifier_path
             else config.models_dir / INJECTION_CLASSIFIER
         )
-        local_encoder = None
-        if gw.guardrails.embedding == "local":
-            # One thread: the guardrails encode one request's texts at a time, and the engine
-            # holds the other core.
-            local_encoder = embedding_config.model_copy(
-                update={"backend": gw.guardrails.local_backend, "num_threads": 1}
-            )
+        local_encoder = (
+            _local_encoder(embedding_config, gw.guardrails.local_backend)
+            if gw.guardrails.embedding == "local"
+            else None
+        )
         guard = Guardrails.options(
             **_scaling(gw.guardrails),
             max_queued_requests=gw.guardrails.max_queued_requests,
@@ -115,6 +116,13 @@ def _scaling(stage) -> dict[str, Any]:
     if stage.autoscaling is not None:
         return {"autoscaling_config": stage.autoscaling.model_dump()}
     return {"num_replicas": stage.num_replicas}
+
+
+def _local_encoder(embedding: EmbeddingModelConfig, backend: str) -> EmbeddingModelConfig:
+    """A stage's own copy of the embedding model (retrieval.embeddings.LocalEmbeddings). One
+    thread: such a stage encodes a request's short texts one call at a time, and the engine
+    holds the other core."""
+    return embedding.model_copy(update={"backend": backend, "num_threads": 1})
 
 
 def _actor(stage, **extra: Any) -> dict[str, Any]:

@@ -2,13 +2,11 @@
 
 Each function takes the collaborator it calls (a deployment handle), the model's current
 policy and the request, and either raises an ``APIError`` (the request is refused) or
-rewrites the request in place. ``Gateway.chat_completions`` calls them in order. With input
-rails on, the retrieval search (``PendingSearch``) follows them: the rails embed the query (the
-last user message) with the same model anyway, and hand that vector over (``SharedVector``),
-so the search makes no embedding call of its own, and a refused request is never searched.
-When they did not embed it (a verdict remembered from an earlier request, a redacted query)
-the search embeds the text itself. Without rails the search is submitted at once, beside
-nothing. The passages always answer the text the engine sees.
+rewrites the request in place. ``Gateway.chat_completions`` calls them in order. The retrieval
+search (``PendingSearch``) needs only the request, as the input rails do: it is submitted
+first and runs while they check, so a guarded request waits for the slower of the two, not
+their sum. A refusal cancels the search; a redaction of the query searches again with the
+redacted text, so the passages always answer the text the engine sees.
 
 The input rails read the request as the client sent it (the JSON body), so every string a
 client controls is found wherever it sits: any role's content, content parts, names, tool
@@ -30,6 +28,7 @@ from gateway.bounds import RetryableError, overloaded, retry_after_of, within
 from gateway.errors import UNAVAILABLE, APIError, bad_request
 from gateway.retrieval_routes import call
 from guardrails.config import GuardrailPolicy
+from guardrails.verdict import Verdict, VerdictCache, policy_version
 from retrieval.config import RetrievalPolicy
 from retrieval.records import Passage
 from retrieval.tenancy import Caller
@@ -147,13 +146,11 @@ async def input_rails(
     param: str = "messages",
     timeout_s: float | None = None,
     retry_after_s: float | None = None,
-    share_vector: str | None = None,
 ) -> RailsOutcome:
     """Size limits over every text; PII, injection and denied topics over every text whose
     role the policy does not exempt. Blocks with a 400 naming the policy, or writes the
     redacted texts back into the request (``redacted``). Past ``timeout_s`` the check counts
-    as failed: 504 unless the policy fails open. ``share_vector`` names a text (the retrieval
-    query) whose embedding the rails hand back if they computed it."""
+    as failed: 504 unless the policy fails open."""
     checked = [s for s in slots if s.role not in policy.exempt_roles]
     try:
         instructions = [s.role in policy.injection.instruction_roles for s in checked]
@@ -165,7 +162,6 @@ async def input_rails(
             [s.get() for s in slots],
             instructions,
             documents,
-            share_vector=share_vector,
         )
         with metrics.stage("input_rails"):
             decision = await within(call_, timeout_s, "guardrails")
@@ -177,26 +173,16 @@ async def input_rails(
         raise stage_failure("guardrails", exc, retry_after_s) from None
     if decision.verdict.blocked:
         raise blocked_error(decision.verdict, param)
-    shared = SharedVector(share_vector, decision.vector) if share_vector and decision.vector is not None else None
     if not decision.verdict.redacted:
-        return RailsOutcome(False, shared)
+        return RailsOutcome(False)
     for slot, text in zip(checked, decision.texts):
         slot.set(text)
-    return RailsOutcome(True, shared)
-
-
-@dataclass(frozen=True)
-class SharedVector:
-    """A text's embedding, computed by the input rails, for the search of the same text."""
-
-    text: str
-    vector: Any
+    return RailsOutcome(True)
 
 
 @dataclass(frozen=True)
 class RailsOutcome:
     redacted: bool  # the request's texts were rewritten: parse it again
-    vector: SharedVector | None = None
 
 
 @dataclass(frozen=True)
@@ -310,14 +296,8 @@ class PendingSearch:
         self._response: Any = None
         self._task: asyncio.Future | None = None
 
-    def query_of(self, messages: list[dict[str, Any]]) -> str | None:
-        """The text this request would search for (None when it searches nothing)."""
-        return (last_user_text(messages) or None) if self.wanted else None
-
-    def submit(self, messages: list[dict[str, Any]], shared: SharedVector | None = None) -> PendingSearch:
-        """Search for the last user message's text, unless that search is already running.
-        ``shared``: the rails' embedding of a text, used if it is the query's (no second
-        embedding of the same text)."""
+    def submit(self, messages: list[dict[str, Any]]) -> PendingSearch:
+        """Search for the last user message's text, unless that search is already running."""
         query = last_user_text(messages) if self.wanted else ""
         if query == self.query:
             return self
@@ -331,7 +311,6 @@ class PendingSearch:
                 self.request.top_k or self.policy.top_k,
                 self.policy.min_score,
                 caller=self.caller,
-                query_vector=shared.vector if shared is not None and shared.text == query else None,
             )
             self._task = asyncio.ensure_future(self._search(self._response))
         return self
@@ -366,30 +345,6 @@ class PendingSearch:
             return []
 
 
-async def retrieval(
-    retriever: DeploymentHandle,
-    guard: DeploymentHandle | None,
-    model_id: str,
-    policy: RetrievalPolicy,
-    guard_policy: GuardrailPolicy,
-    request: RetrievalRequest,
-    messages: list[dict[str, Any]],
-    caller: Caller,
-    *,
-    timeout_s: float | None = None,
-    guardrails_timeout_s: float | None = None,
-    retry_after_s: float | None = None,
-) -> list[Passage]:
-    """Search (see ``PendingSearch``), then ``retrieved_passages``: the whole retrieval stage for
-    a path that has nothing to run beside the search."""
-    search = PendingSearch(
-        retriever, model_id, policy, request, caller, timeout_s=timeout_s, retry_after_s=retry_after_s
-    ).submit(messages)
-    return await retrieved_passages(
-        search, guard, guard_policy, messages, guardrails_timeout_s=guardrails_timeout_s, retry_after_s=retry_after_s
-    )
-
-
 async def retrieved_passages(
     search: PendingSearch,
     guard: DeploymentHandle | None,
@@ -398,15 +353,17 @@ async def retrieved_passages(
     *,
     guardrails_timeout_s: float | None = None,
     retry_after_s: float | None = None,
+    known: VerdictCache | None = None,
 ) -> list[Passage]:
     """Await the search's passages, check them with the same rails, and put them in a system
-    message at the start of the conversation. Returns the passages used (for sources)."""
+    message at the start of the conversation. Returns the passages used (for sources).
+    ``known``: the ingress's verdicts of passages it has seen checked (see ``_checked_passages``)."""
     policy, model_id = search.policy, search.model_id
     passages = await search.passages()
     if passages and guard is not None and guard_policy.enabled:
         try:
             with metrics.stage("passage_check"):
-                passages = await _checked_passages(guard, model_id, guard_policy, passages, guardrails_timeout_s)
+                passages = await _checked_passages(guard, model_id, guard_policy, passages, guardrails_timeout_s, known)
         except Exception as exc:
             # Never unchecked passages: without a verdict they are all left out.
             _degrade(policy, model_id, "guardrails", exc, retry_after_s)
@@ -449,12 +406,26 @@ async def _checked_passages(
     policy: GuardrailPolicy,
     passages: list[Passage],
     timeout_s: float | None = None,
+    known: VerdictCache | None = None,
 ) -> list[Passage]:
     """The same rails on what retrieval found: each passage's text and the filename placed
     beside it. A passage that fails either is dropped (a poisoned document must not take the
-    whole conversation down); a redaction is applied."""
+    whole conversation down); a redaction is applied.
+
+    Stored passages come back question after question: the verdicts the guardrails gave are
+    kept in ``known`` (by this policy's version and the text), and only texts not found there
+    are sent, so a search that finds known passages costs no call to the guardrails."""
     texts = [t for p in passages for t in (p.text, p.filename)]
-    verdicts = await within(guard.check_passages.remote(model_id, policy, texts), timeout_s, "guardrails")
+    version = "passage:" + policy_version(policy)
+    keys = [VerdictCache.key(version, t) for t in texts]
+    verdicts: list[Verdict | None] = [known.get(k) if known is not None else None for k in keys]
+    todo = [i for i, v in enumerate(verdicts) if v is None]
+    if todo:
+        call_ = guard.check_passages.remote(model_id, policy, [texts[i] for i in todo])
+        for i, verdict in zip(todo, await within(call_, timeout_s, "guardrails")):
+            verdicts[i] = verdict
+            if known is not None:
+                known.put(keys[i], verdict)
     kept = []
     for i, p in enumerate(passages):
         text_v, name_v = verdicts[2 * i], verdicts[2 * i + 1]

@@ -95,6 +95,11 @@ class RetrievalSettings(StrictModel):
     num_cpus: float = Field(0.1, ge=0)
     max_queued_requests: int = Field(256, ge=1)
     ingest: IngestLimits = IngestLimits()
+    # local: each Retriever replica embeds search queries with its own copy of the embedding
+    # model (ONNX), so a search makes no call to the embedding deployment; shared: it does.
+    # Documents are always embedded by the embedding deployment.
+    query_embedding: Literal["local", "shared"] = "local"
+    query_backend: Literal["onnx-int8", "onnx", "torch"] = Field("onnx-int8", description="the local encoder's runtime")
     index: IndexConfig = IndexConfig()
     chunking: ChunkingConfig = ChunkingConfig()
 
@@ -105,7 +110,7 @@ class GuardrailSettings(StrictModel):
     enabled: bool = True
     classifier_path: str | None = Field(None, description="injection classifier; default: the one make models trains")
     # local: each guardrails replica encodes with its own copy of the embedding model (ONNX),
-    # one Serve hop fewer; shared: through the embedding deployment (see guardrails/embeddings.py).
+    # one Serve hop fewer; shared: through the embedding deployment (see retrieval/embeddings.py).
     embedding: Literal["local", "shared"] = "local"
     local_backend: Literal["onnx-int8", "onnx", "torch"] = Field("onnx-int8", description="the local encoder's runtime")
     num_replicas: int = Field(1, ge=1)

@@ -1,8 +1,8 @@
 """The gateway's HTTP ingress: OpenAI routes on FastAPI, deployed by Ray Serve.
 
 A chat request follows one straight path, written out in ``chat_completions``:
-parse -> resolve the model -> input rails (which embed the query for the search too)
--> retrieval search -> passage check -> engine with output rails on its stream. Each stage is a deployment
+parse -> resolve the model -> input rails, and the retrieval search beside them -> passage
+check -> engine with output rails on its stream. Each stage is a deployment
 handed to the constructor; the ingress calls them in order and they never call each other.
 """
 
@@ -35,6 +35,7 @@ from gateway.responses_routes import ResponsesRoutes
 from gateway.responses_store import ResponseStore
 from gateway.retrieval_routes import RetrievalRoutes, retrieval_caller
 from guardrails.deployment import ExportedRailMetrics
+from guardrails.verdict import VerdictCache
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,8 @@ class Gateway(RetrievalRoutes, ResponsesRoutes):
         self._embedder = embedder
         self._embedding_model = settings.embedding.model_id if embedder is not None else None
         self._output_metrics = ExportedRailMetrics()
+        # Verdicts on retrieved passages, by policy version and text (chat_stages._checked_passages).
+        self._passage_verdicts = VerdictCache()
         self.metrics = metrics.GatewayMetrics()  # published by gateway.metrics.ObservedRequests
         self._readiness = metrics.Readiness(
             lambda: metrics.readiness_checks(
@@ -148,23 +151,23 @@ class Gateway(RetrievalRoutes, ResponsesRoutes):
             retry_after_s=self._settings.retry_after_s,
         )
         # 1. the input rails check every text the client wrote: they refuse (400 naming the
-        #    policy) or redact before the engine sees the text, and hand back their embedding
-        #    of the last user message for 2. the retrieval search of that text
-        if policy.guardrails.enabled and self._guard is not None:
-            texts = chat_stages.chat_texts(data)
-            rails = await chat_stages.input_rails(
-                self._guard,
-                chat.model,
-                policy.guardrails,
-                texts,
-                share_vector=search.query_of(chat.messages),
-                **self._rail_bounds(),
-            )
+        #    policy) or redact before the engine sees the text. 2. The retrieval search of the
+        #    last user message needs only the request too: it runs beside them, is cancelled if
+        #    they refuse, and searched again if they redact the query.
+        guarded = policy.guardrails.enabled and self._guard is not None
+        texts = chat_stages.chat_texts(data) if guarded else []  # a part no rail can read is a 400
+        search.submit(chat.messages)
+        if guarded:
+            try:
+                rails = await chat_stages.input_rails(
+                    self._guard, chat.model, policy.guardrails, texts, **self._rail_bounds()
+                )
+            except BaseException:
+                search.cancel()
+                raise
             if rails.redacted:
                 chat = parse_chat_request(data)
-            search.submit(chat.messages, rails.vector)
-        else:
-            search.submit(chat.messages)
+                search.submit(chat.messages)
         # 3. the passages found, checked by the same rails, go into a leading system message
         passages = await chat_stages.retrieved_passages(
             search,
@@ -173,6 +176,7 @@ class Gateway(RetrievalRoutes, ResponsesRoutes):
             chat.messages,
             guardrails_timeout_s=self._settings.timeouts.guardrails_s,
             retry_after_s=self._settings.retry_after_s,
+            known=self._passage_verdicts,
         )
         # Sources name documents: sent (as a header) only if the policy or the request asks,
         # and in the body (an extension field strict clients would not expect) only on request.

@@ -81,14 +81,23 @@ class ResponsesRoutes:
             if previous is None:
                 raise response_not_found(call.previous_response_id, "previous_response_id")
             call.history = previous["context"] + responses_stages.output_as_input(previous["response"]["output"])
-        # 1. input rails over `instructions` and every input item the client wrote
-        if policy.guardrails.enabled and self._guard is not None:
-            texts = responses_stages.response_texts(data)
-            await chat_stages.input_rails(
-                self._guard, data["model"], policy.guardrails, texts, param="input", **self._rail_bounds()
-            )
-        # 2. retrieval: passages (checked by the same rails) in a system message before the input
-        passages, passages_item, search_item = await self._retrieve(call, data, policy, extensions, principal)
+        # 1. input rails over `instructions` and every input item the client wrote, with
+        # 2. the retrieval search beside them (cancelled if they refuse, searched again if they
+        #    redact the query); its passages, checked by the same rails, go in a system message
+        #    before the input
+        guarded = policy.guardrails.enabled and self._guard is not None
+        texts = responses_stages.response_texts(data) if guarded else []
+        search = self._start_search(call, data, policy, extensions, principal)
+        if guarded:
+            try:
+                await chat_stages.input_rails(
+                    self._guard, data["model"], policy.guardrails, texts, param="input", **self._rail_bounds()
+                )
+            except BaseException:
+                if search is not None:
+                    search.cancel()
+                raise
+        passages, passages_item, search_item = await self._retrieve(call, data, policy, search)
         # 3. the engine (vLLM's Responses implementation), with 4. output rails on what it sends
         shaper = ResponseShaper(call, rails, self._output_metrics, search_item, passages)
         first, gen = await engine.call("responses", call.engine_body(data, passages_item))
@@ -169,40 +178,53 @@ class ResponsesRoutes:
         }
         await self._responses.save(owner, record)
 
-    async def _retrieve(
+    def _start_search(
         self, call: ResponsesCall, data: dict[str, Any], policy: ModelPolicy, extensions: dict, principal: Principal
-    ) -> tuple[list[Passage], dict[str, Any] | None, dict[str, Any] | None]:
-        """Passages, the system message item that carries them, and the ``file_search_call``
-        item (when the request asked for the tool). The tool searches the named stores, which
-        must be the caller's own or the policy's (404 otherwise, as for a missing store)."""
-        search = call.file_search
+    ) -> chat_stages.PendingSearch | None:
+        """The search for the request's last user text, submitted now (None without retrieval).
+        The ``file_search`` tool searches the named stores, which must be the caller's own or
+        the policy's (404 otherwise, as for a missing store)."""
+        tool = call.file_search
         if self._retriever is None:
-            if search is not None:
+            if tool is not None:
                 raise bad_request("Retrieval is not enabled on this gateway.", param="tools", code="retrieval_disabled")
-            return [], None, None
-        if search is not None:
-            wanted = chat_stages.RetrievalRequest(True, search.vector_store_ids, search.max_num_results)
+            return None
+        if tool is not None:
+            wanted = chat_stages.RetrievalRequest(True, tool.vector_store_ids, tool.max_num_results)
         else:
             wanted = chat_stages.RetrievalRequest.parse(extensions.get("retrieval"), policy.retrieval)
-        messages = responses_stages.retrieval_messages(call.history + data["input"])
-        query = chat_stages.last_user_text(messages)
-        timeouts = self._settings.timeouts
-        passages = await chat_stages.retrieval(
+        search = chat_stages.PendingSearch(
             self._retriever,
-            self._guard,
             data["model"],
             policy.retrieval,
-            policy.guardrails,
             wanted,
-            messages,
             retrieval_caller(principal),
-            timeout_s=timeouts.retrieval_s,
-            guardrails_timeout_s=timeouts.guardrails_s,
+            timeout_s=self._settings.timeouts.retrieval_s,
             retry_after_s=self._settings.retry_after_s,
+        )
+        return search.submit(responses_stages.retrieval_messages(call.history + data["input"]))
+
+    async def _retrieve(
+        self, call: ResponsesCall, data: dict[str, Any], policy: ModelPolicy, search: chat_stages.PendingSearch | None
+    ) -> tuple[list[Passage], dict[str, Any] | None, dict[str, Any] | None]:
+        """Passages, the system message item that carries them, and the ``file_search_call``
+        item (when the request asked for the tool)."""
+        if search is None:
+            return [], None, None
+        messages = responses_stages.retrieval_messages(call.history + data["input"])
+        search.submit(messages)  # the redacted query, if the rails rewrote it
+        passages = await chat_stages.retrieved_passages(
+            search,
+            self._guard,
+            policy.guardrails,
+            messages,
+            guardrails_timeout_s=self._settings.timeouts.guardrails_s,
+            retry_after_s=self._settings.retry_after_s,
+            known=self._passage_verdicts,
         )
         item = {"type": "message", "role": "system", "content": messages[0]["content"]} if passages else None
         found = None
-        if search is not None:
+        if call.file_search is not None:
             with_results = "file_search_call.results" in call.include
-            found = responses_stages.file_search_item(query, passages, with_results)
+            found = responses_stages.file_search_item(chat_stages.last_user_text(messages), passages, with_results)
         return passages, item, found

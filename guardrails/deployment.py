@@ -2,7 +2,7 @@
 
 The ingress sends the texts of a request (and, separately, retrieved passages) with the
 model's current policy; this deployment embeds what the rails need (with its own ONNX
-encoder, or through the shared embedding deployment: see ``guardrails.embeddings``), runs
+encoder, or through the shared embedding deployment: see ``retrieval.embeddings``), runs
 the rails in order, and returns typed decisions. Rail outcomes and rail errors are exported
 as Prometheus counters.
 """
@@ -10,10 +10,8 @@ as Prometheus counters.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -23,22 +21,23 @@ from ray.serve.handle import DeploymentHandle
 
 from guardrails.config import GuardrailPolicy, InjectionDetectorKind
 from guardrails.detectors.injection import DEFAULT_ARTIFACT, InjectionScorer, embedding_chunks
-from guardrails.detectors.injection_ensemble import load_scorer
+from guardrails.detectors.injection_ensemble import InjectionEnsemble, load_scorer
 from guardrails.detectors.topics import TopicMatcher
-from guardrails.embeddings import LocalEmbeddings, RailEmbeddings, SharedEmbeddings
 from guardrails.input_rail import InputGuard
 from guardrails.metrics import ExportedRailMetrics
-from guardrails.verdict import PolicyCode, Verdict
+from guardrails.verdict import PolicyCode, Verdict, VerdictCache, policy_version
 from retrieval.config import EmbeddingModelConfig
+from retrieval.embedding_deployment import EncodeGate
+from retrieval.embeddings import LocalEmbeddings, SharedEmbeddings, TextEmbeddings
 
 logger = logging.getLogger(__name__)
 
 # Above this many characters in one call, the rails run in a worker thread.
 _INLINE_RAIL_CHARS = 8192
-
-
-# Verdicts remembered per replica, so a long conversation pays only for its new messages.
-_VERDICT_CACHE_ENTRIES = 8192
+# Chunks (of at most ~1000 characters) the multilingual encoder takes in one call at most,
+# and up to how many characters in all it encodes on the event loop (about 10 ms of work).
+_USE_BATCH_CHUNKS = 64
+_INLINE_USE_CHARS = 2048
 
 
 def _check_all(
@@ -67,36 +66,6 @@ def _check_all(
     return verdicts
 
 
-class VerdictCache:
-    """Bounded LRU of verdicts by (policy version, text digest). Only verdicts a rail reached
-    on its own are kept: a rail error or a budget overrun is decided again next time."""
-
-    def __init__(self, entries: int = _VERDICT_CACHE_ENTRIES):
-        self._entries = entries
-        self._data: OrderedDict[tuple[str, bytes], Verdict] = OrderedDict()
-
-    @staticmethod
-    def key(version: str, text: str) -> tuple[str, bytes]:
-        return version, hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
-
-    def get(self, key: tuple[str, bytes]) -> Verdict | None:
-        verdict = self._data.get(key)
-        if verdict is not None:
-            self._data.move_to_end(key)
-        return verdict
-
-    def put(self, key: tuple[str, bytes], verdict: Verdict) -> None:
-        if verdict.code is PolicyCode.RAIL_ERROR or verdict.rail in ("time_budget", "embedding", "setup"):
-            return
-        self._data[key] = verdict
-        self._data.move_to_end(key)
-        while len(self._data) > self._entries:
-            self._data.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._data)
-
-
 @dataclass(frozen=True)
 class InputDecision:
     """The input rails' answer for one request.
@@ -107,9 +76,6 @@ class InputDecision:
 
     verdict: Verdict
     texts: list[str] = field(default_factory=list)
-    # The rails' embedding of the text ``check_input`` was asked to share, when they computed
-    # one (a fresh text of one chunk): the retrieval search uses it rather than embed it again.
-    vector: np.ndarray | None = None
 
 
 @serve.deployment(name="Guardrails", max_ongoing_requests=256, ray_actor_options={"num_cpus": 0.25})
@@ -123,7 +89,7 @@ class Guardrails:
         classifier_path: str | None = None,
         local_encoder: EmbeddingModelConfig | None = None,
     ):
-        self._embeddings: RailEmbeddings = (
+        self._embeddings: TextEmbeddings = (
             LocalEmbeddings(local_encoder) if local_encoder is not None else SharedEmbeddings(embedder)
         )
         self._classifier_path = classifier_path or str(DEFAULT_ARTIFACT)
@@ -132,6 +98,7 @@ class Guardrails:
         self._topics: dict[str, TopicMatcher] = {}
         self._guards: dict[str, tuple[GuardrailPolicy, InputGuard]] = {}
         self._verdicts = VerdictCache()
+        self._use_gates: dict[int, tuple[InjectionEnsemble, EncodeGate]] = {}
         self.metrics = ExportedRailMetrics()
 
     async def check_input(
@@ -142,14 +109,11 @@ class Guardrails:
         all_texts: Sequence[str],
         instructions: Sequence[bool] | None = None,
         documents: Sequence[bool] | None = None,
-        share_vector: str | None = None,
     ) -> InputDecision:
         """Limits over ``all_texts`` (every text of the request), then PII, injection and
         denied topics on each of ``texts``; ``instructions[i]`` marks a text from an
         instruction role (heuristics instead of the injection classifier), ``documents[i]``
-        a tool result or client-sent document (the injection rail's document threshold).
-        ``share_vector``: a text (the retrieval query) whose embedding to return if the rails
-        compute it."""
+        a tool result or client-sent document (the injection rail's document threshold)."""
         deadline = time.monotonic() + policy.limits.time_budget_ms / 1000
         guard = await self._guard_or_error(model_id, policy)
         if isinstance(guard, Verdict):
@@ -158,17 +122,13 @@ class Guardrails:
         limits = guard.check_request(list(all_texts))
         if limits.blocked:
             return InputDecision(limits, list(texts))
-        shared: dict[str, np.ndarray | None] = {share_vector: None} if share_vector else {}
-        verdicts = await self._check_each(
-            guard, texts, deadline, instructions=instructions, documents=documents, vectors=shared
-        )
+        verdicts = await self._check_each(guard, texts, deadline, instructions=instructions, documents=documents)
         blocked = next((v for v in verdicts if v.blocked), None)
         if blocked is not None:
             return InputDecision(blocked, list(texts))
         rewritten = [v.text if v.redacted and v.text is not None else t for v, t in zip(verdicts, texts)]
         redacted = next((v for v in verdicts if v.redacted), None)
-        vector = shared.get(share_vector) if share_vector else None
-        return InputDecision(redacted or Verdict.allow("guardrails"), rewritten, vector)
+        return InputDecision(redacted or Verdict.allow("guardrails"), rewritten)
 
     async def check_passages(self, model_id: str, policy: GuardrailPolicy, passages: Sequence[str]) -> list[Verdict]:
         """Retrieved passages go through the same rails: an instruction planted in a document
@@ -195,10 +155,8 @@ class Guardrails:
         deadline: float,
         instructions: Sequence[bool] | None = None,
         documents: Sequence[bool] | None = None,
-        vectors: dict[str, np.ndarray | None] | None = None,
     ) -> list[Verdict]:
-        """Verdicts for ``texts``: remembered ones from the cache, the rest computed. The
-        embeddings computed for texts named in ``vectors`` are put there."""
+        """Verdicts for ``texts``: remembered ones from the cache, the rest computed."""
         if not texts:
             return []
         inst = list(instructions) if instructions is not None else [False] * len(texts)
@@ -209,59 +167,72 @@ class Guardrails:
         verdicts: list[Verdict | None] = [self._verdicts.get(k) for k in keys]
         todo = [i for i, v in enumerate(verdicts) if v is None]
         if todo:
-            fresh = await self._compute(guard, [texts[i] for i in todo], [flags[i] for i in todo], deadline, vectors)
+            fresh = await self._compute(guard, [texts[i] for i in todo], [flags[i] for i in todo], deadline)
             for i, verdict in zip(todo, fresh):
                 verdicts[i] = verdict
                 self._verdicts.put(keys[i], verdict)
         return verdicts  # type: ignore[return-value]
 
     async def _compute(
-        self,
-        guard: InputGuard,
-        texts: Sequence[str],
-        flags: list[str],
-        deadline: float,
-        vectors: dict[str, np.ndarray | None] | None = None,
+        self, guard: InputGuard, texts: Sequence[str], flags: list[str], deadline: float
     ) -> list[Verdict]:
-        # The ensemble's multilingual encoder needs only the text: it runs in a thread beside
-        # the MiniLM pass instead of after it (one request's latency, on an idle core).
-        prime = getattr(guard.injection.scorer if guard.injection else None, "prime", None)
-        primed = asyncio.ensure_future(asyncio.to_thread(prime, list(texts))) if prime is not None else None
+        # The ensemble's multilingual encoder needs only the text: it encodes while the MiniLM
+        # vectors are computed (when a rail reads them), together with concurrent requests'
+        # texts (``_encode_use``).
+        scorer = guard.injection.scorer if guard.injection else None
+        batched = hasattr(scorer, "prime_chunks")
+        primed = asyncio.ensure_future(self._prime(guard, scorer, texts)) if batched else None
         embeddings: list[np.ndarray | None] = [None] * len(texts)
-        # The MiniLM vectors: for the rails that read them (denied topics, a MiniLM scorer), and
-        # for the retrieval search, which is handed the query's vector (``vectors``) so the
-        # request is embedded once, in this replica, whatever the rails need.
-        wanted = [t for t in texts if vectors is not None and t in vectors]
-        to_embed = list(texts) if guard.needs_embedding else wanted
         try:
-            if to_embed:
+            if guard.needs_embedding:
+                # The MiniLM vectors: for the rails that read them (denied topics, a MiniLM scorer).
                 try:
                     started = time.perf_counter()
-                    computed = dict(zip(to_embed, await self._embed_chunked(to_embed)))
+                    embeddings = list(await self._embed_chunked(texts))
                     guard.metrics.record_latency("embedding", time.perf_counter() - started)
-                    embeddings = [computed.get(t) for t in texts]
-                    for text in wanted:
-                        if computed[text] is not None and len(computed[text]) == 1:
-                            vectors[text] = computed[text][0]  # one chunk: the embedding of the whole text
                 except Exception as exc:  # embedding service down: the rails that need it fail closed
                     guard.metrics.record_error("embedding")
                     logger.error("embedding for guardrails failed: %s", type(exc).__name__)
-                    if guard.needs_embedding and not guard.policy.fail_open:
-                        return [
-                            Verdict.block("embedding", PolicyCode.RAIL_ERROR, "embedding service unavailable")
-                        ] * len(texts)
+                    if not guard.policy.fail_open:
+                        block = Verdict.block("embedding", PolicyCode.RAIL_ERROR, "embedding service unavailable")
+                        return [block] * len(texts)
         finally:
             if primed is not None:
                 # Scoring encodes whatever priming did not (a failure here is only lost time).
                 await asyncio.gather(primed, return_exceptions=True)
-        # Short texts with the embedding classifier are ~0.3 ms of regex and one dot product:
-        # inline. Long documents and HF classifiers (a model forward pass) go to a thread, so
-        # the replica's event loop (which Serve's throughput mode shares) keeps serving.
-        # With the ensemble's encoder primed above, what is left is the character model and
-        # dot products: inline too.
-        if (guard.runs_model_inline and prime is None) or sum(len(t) for t in texts) > _INLINE_RAIL_CHARS:
+        # What is left is regex, the character model and dot products (~2 ms): inline. Long
+        # documents, or a model that runs in scoring (an HF classifier), go to a thread, so the
+        # replica's event loop (which Serve's throughput mode shares) keeps serving.
+        if (guard.runs_model_inline and not batched) or sum(len(t) for t in texts) > _INLINE_RAIL_CHARS:
             return await asyncio.to_thread(_check_all, guard, texts, embeddings, flags, deadline)
         return _check_all(guard, texts, embeddings, flags, deadline)
+
+    async def _prime(self, guard: InputGuard, scorer: InjectionEnsemble, texts: Sequence[str]) -> None:
+        chunks = scorer.prime_chunks(list(texts))
+        if not chunks:
+            return
+        started = time.perf_counter()
+        scorer.store_primed(chunks, np.stack(await self._use_gate(scorer).submit(chunks)))
+        guard.metrics.record_latency("injection_encoder", time.perf_counter() - started)
+
+    def _use_gate(self, scorer: InjectionEnsemble) -> EncodeGate:
+        """One encode at a time per scorer, in a thread; chunks that arrive meanwhile are
+        encoded together in the next call. USE's numpy forward pass streams its 13.5 MB of
+        weights once per call, so under load most of a text's encoding cost is shared."""
+        found = self._use_gates.get(id(scorer))
+        if found is None or found[0] is not scorer:
+
+            async def encode(chunks: list[str]) -> np.ndarray:
+                if sum(map(len, chunks)) <= _INLINE_USE_CHARS:
+                    # A few short texts (~5 ms): on the event loop. A hop to a worker thread
+                    # cost more than it saved, measured (benchmarks/overhead.py: the input
+                    # rails 19.5 -> 16.6 ms sequential, requests/s at 32 clients 57 -> 74).
+                    return scorer.use_encoder().encode(chunks)
+                return await asyncio.to_thread(scorer.use_encoder().encode, chunks)
+
+            found = (scorer, EncodeGate(encode, limit=1, max_size=_USE_BATCH_CHUNKS))
+            self._use_gates[id(scorer)] = found
+        return found[1]
 
     async def _embed_chunked(self, texts: Sequence[str]) -> list[np.ndarray]:
         pieces = [embedding_chunks(t) for t in texts]
@@ -289,7 +260,7 @@ class Guardrails:
         if cached is not None and cached[0] == policy:
             return cached[1]
         # The cache key of this policy's verdicts: a new policy never sees an old one's.
-        version = hashlib.blake2b(policy.model_dump_json().encode(), digest_size=8).hexdigest()
+        version = policy_version(policy)
         topics = None
         if policy.enabled and policy.denied_topics.topics:
             key = policy.denied_topics.model_dump_json()

@@ -6,9 +6,12 @@ OpenAI error body (blocked), a rewritten message (redacted) or nothing (allowed)
 
 from __future__ import annotations
 
+import hashlib
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from enum import StrEnum
+from typing import Any
 
 
 class Action(StrEnum):
@@ -117,3 +120,42 @@ def run_sequence(text: str, rails: Iterable[Callable[[str], Verdict]], rail: str
 def with_rail(verdict: Verdict, rail: str) -> Verdict:
     """Same verdict attributed to another rail name (used when a wrapper reports for a detector)."""
     return replace(verdict, rail=rail)
+
+
+def policy_version(policy: Any) -> str:
+    """A digest naming a policy (a pydantic model) in ``VerdictCache`` keys: a new policy never
+    sees an old one's verdicts."""
+    return hashlib.blake2b(policy.model_dump_json().encode(), digest_size=8).hexdigest()
+
+
+class VerdictCache:
+    """Bounded LRU of verdicts by (policy version, text digest). Only verdicts a rail reached
+    on its own are kept: a rail error or a budget overrun is decided again next time. The
+    guardrails replica keeps one (a long conversation pays only for its new messages), and so
+    does the ingress for retrieved passages (the same passages answer many questions: a
+    known one needs no call to the guardrails)."""
+
+    def __init__(self, entries: int = 8192):
+        self._entries = entries
+        self._data: OrderedDict[tuple[str, bytes], Verdict] = OrderedDict()
+
+    @staticmethod
+    def key(version: str, text: str) -> tuple[str, bytes]:
+        return version, hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+    def get(self, key: tuple[str, bytes]) -> Verdict | None:
+        verdict = self._data.get(key)
+        if verdict is not None:
+            self._data.move_to_end(key)
+        return verdict
+
+    def put(self, key: tuple[str, bytes], verdict: Verdict) -> None:
+        if verdict.code is PolicyCode.RAIL_ERROR or verdict.rail in ("time_budget", "embedding", "setup"):
+            return
+        self._data[key] = verdict
+        self._data.move_to_end(key)
+        while len(self._data) > self._entries:
+            self._data.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._data)

@@ -192,6 +192,9 @@ class RetrievalConfig(BaseModel):
 
     storage_dir: Path
     embedding: EmbeddingModelConfig = Field(default_factory=EmbeddingModelConfig)
+    # Search queries are embedded in the Retriever replica with this encoder (the same model,
+    # e.g. its int8 ONNX export: retrieval.embeddings.LocalEmbeddings); None: by the Embedder.
+    query_encoder: EmbeddingModelConfig | None = None
     index: IndexConfig = Field(default_factory=IndexConfig)
     chunking: ChunkingConfig = Field(default_factory=ChunkingConfig)
     ingest: IngestLimits = Field(default_factory=IngestLimits)

@@ -1,8 +1,10 @@
 """The retrieval deployment: OpenAI's files and vector stores API, and the chat path's retrieval.
 
 ``Retriever`` owns the on-disk state (uploaded files, collections, failed-ingest records under
-``RetrievalConfig.storage_dir``) and asks the ``Embedder`` deployment for vectors, one input per
-``handle.remote()`` call gathered together, so that Serve batches them. Every public method
+``RetrievalConfig.storage_dir``) and asks the ``Embedder`` deployment for the vectors of the
+documents it indexes, one input per ``handle.remote()`` call gathered together, so that Serve
+batches them. Search queries are embedded in this replica (``RetrievalConfig.query_encoder``,
+an int8 ONNX copy of the same model) unless the config sends them to the Embedder too. Every public method
 returns OpenAI-shaped dicts (see ``retrieval.openai_objects``) or, for ``retrieve``, typed
 ``Passage`` records, and raises ``retrieval.errors`` types that carry their HTTP status.
 
@@ -27,16 +29,16 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from retrieval import openai_objects as oai
 from retrieval.collection import Collection
 from retrieval.config import SPECIAL_TOKENS_PER_INPUT, ChunkingConfig, RetrievalConfig
+from retrieval.embeddings import LocalEmbeddings, SharedEmbeddings, TextEmbeddings
 from retrieval.encoder import DocumentTokenizer
 from retrieval.errors import CollectionNotFoundError, DocumentNotFoundError, InvalidInputError
-from retrieval.file_indexer import FileIndexer, gather_responses
+from retrieval.file_indexer import FileIndexer
 from retrieval.files import FileStore
 from retrieval.ingest import FailedFiles, chunking_from_strategy
 from retrieval.records import Hit, Passage, validate_attributes
@@ -86,6 +88,13 @@ class Retriever:
         self._embedder = embedder
         self._config = config
         info = await embedder.info.remote()
+        # Queries: one short text per search, where the replica's own ONNX encoder is
+        # several times faster than a round trip to the Embedder and its batch wait.
+        self._queries: TextEmbeddings = (
+            await asyncio.to_thread(LocalEmbeddings, config.query_encoder)
+            if config.query_encoder is not None
+            else SharedEmbeddings(embedder)
+        )
         self._chunk_limit = info["max_tokens"] - SPECIAL_TOKENS_PER_INPUT
         if config.chunking.max_chunk_size_tokens > self._chunk_limit:
             raise ValueError(
@@ -378,7 +387,7 @@ class Retriever:
         check_max_num_results(max_num_results)
         attr_filter = parse_filter(filters)
         min_score = score_threshold(ranking_options)
-        vectors = await gather_responses([self._embedder.embed.remote(q, truncate=True) for q in queries])
+        vectors = await self._queries.embed(queries)
 
         def run() -> list[Hit]:
             best: dict[int, Hit] = {}
@@ -402,13 +411,8 @@ class Retriever:
         min_score: float | None = None,
         *,
         caller: Caller,
-        query_vector: np.ndarray | None = None,
     ) -> list[Passage]:
         """The chat path's retrieval: the ``top_k`` best chunks across the chosen stores.
-
-        ``query_vector`` is the query's embedding when the caller has it already (the input
-        rails embed the same text with the same model): the search then makes no call to the
-        embedding deployment. One of another shape is ignored.
 
         ``policy_collections`` come from the model's retrieval policy (the operator's config):
         each resolves by id, whoever owns the store, or by name among the operator's stores only
@@ -439,11 +443,7 @@ class Retriever:
         colls = [c for c in found.values() if c.stats().chunks]
         if not colls:
             return []
-        shape = getattr(query_vector, "shape", None)
-        if shape is not None and all(shape == (c.dimension,) for c in colls):
-            vector = np.asarray(query_vector, dtype=np.float32)
-        else:
-            vector = await self._embedder.embed.remote(query, truncate=True)
+        (vector,) = await self._queries.embed([query])
 
         def run() -> list[Passage]:
             passages = [

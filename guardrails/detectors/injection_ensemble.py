@@ -177,15 +177,25 @@ class InjectionEnsemble:
         return _sigmoid(np.asarray(self._char.transform(texts) @ self.char_weights).ravel() + self.char_bias)
 
     def prime(self, texts: list[str]) -> None:
-        """Encode ``texts``' chunks with USE now (in a thread, while the MiniLM vectors the
-        scorer also needs are computed in another), for the ``score_input`` calls that follow.
-        Vectors not used by then are dropped at the next prime beyond ``_PRIMED_MAX``."""
+        """Encode ``texts``' chunks with USE now, in one call, for the ``score_input`` calls that
+        follow (see ``prime_chunks``)."""
+        chunks = self.prime_chunks(texts)
+        if chunks:
+            self.store_primed(chunks, self.use_encoder().encode(chunks))
+
+    def prime_chunks(self, texts: list[str]) -> list[str]:
+        """The folded chunks whose USE vectors scoring ``texts`` will need (what their encoded
+        runs decode to included: InjectionDetector.check scores those too); [] without USE.
+        Encoding them together is much cheaper than one by one (8.7 ms for four short texts,
+        20 ms apart): the guardrails deployment encodes concurrent requests' chunks in one call."""
         if "use" not in self.components:
-            return
-        # What encoded runs decode to is scored too (InjectionDetector.check): primed with the text.
+            return []
         texts = [*texts, *(p for t in texts for p in decoded_payloads(t))]
-        chunks = [fold(c) for t in texts for c in embedding_chunks(t)]
-        vectors = self.use_encoder().encode(chunks)
+        return [fold(c) for t in texts for c in embedding_chunks(t)]
+
+    def store_primed(self, chunks: list[str], vectors: np.ndarray) -> None:
+        """Keep USE vectors of ``chunks`` for scoring; vectors not used by then are dropped at
+        a later call beyond ``_PRIMED_MAX``."""
         with self._primed_lock:
             if len(self._primed) > _PRIMED_MAX:
                 self._primed.clear()

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from guardrails.detectors import linear_regex as lrx
 from guardrails.detectors import partial_regex
+from guardrails.detectors.text_fold import MAX_DECODE_DEPTH, decoded_runs
 from guardrails.entities import EntityType, RuleAction
 from guardrails.verdict import PolicyCode, Verdict
 
@@ -473,6 +474,24 @@ def pii_verdict(
 
 
 def check_pii(text: str, actions: Mapping[EntityType, RuleAction], rail: str = "pii") -> Verdict:
-    """Detect and decide in one call; entities whose action is ALLOW are not even searched for."""
+    """Detect and decide in one call; entities whose action is ALLOW are not even searched for.
+
+    A base64 or hex run that decodes to text carrying one of them (a card number written in
+    base64 for the model to decode) counts as that text: the run is written out decoded, and
+    the entity in it blocks or is redacted like any other (the redacted text then carries the
+    decoded words, placeholders in place of the entities)."""
     wanted = [e for e, a in actions.items() if a is not RuleAction.ALLOW]
+    if not wanted:
+        return Verdict.allow(rail)
+    text = _revealed(text, wanted)
     return pii_verdict(text, detect(text, wanted), actions, rail)
+
+
+def _revealed(text: str, wanted: Sequence[EntityType], depth: int = 0) -> str:
+    """``text`` with each encoded run whose decoded text (read down to ``MAX_DECODE_DEPTH``
+    levels) carries a wanted entity written out decoded; other runs as they were."""
+    for start, end, decoded in reversed(decoded_runs(text)):
+        inner = _revealed(decoded, wanted, depth + 1) if depth + 1 < MAX_DECODE_DEPTH else decoded
+        if detect(inner, wanted):
+            text = text[:start] + inner + text[end:]
+    return text

@@ -15,13 +15,15 @@ and ``decoded_payloads`` gives what each one decodes to when that is text, which
 checks as a text of its own.
 
 Only the injection rail reads folded text; PII redaction works on the original, whose spans it
-rewrites. Linear in the text: no regular expression, one pass per step.
+rewrites: ``decoded_runs`` gives it each run's span in the original and what the run says. Linear in the text: no regular expression, one pass per step.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import bisect
+import itertools
 import string
 import unicodedata
 
@@ -46,6 +48,7 @@ _LOOKALIKE_SET = frozenset(_LOOKALIKE_FROM)
 
 
 ENCODED = "[encoded]"
+MAX_DECODE_DEPTH = 3  # levels of encoding read (a run inside what a run decodes to, ...)
 # A run of these characters is a candidate encoded run: base64 (standard and URL-safe) and hex.
 _B64_CHARS = frozenset(string.ascii_letters + string.digits + "+/-_")
 _HEX_CHARS = frozenset(string.hexdigits)
@@ -74,19 +77,47 @@ def fold(text: str) -> str:
     return "".join(out) + folded[last:]
 
 
-def decoded_payloads(text: str) -> list[str]:
+def decoded_payloads(text: str, _depth: int = 0) -> list[str]:
     """What the encoded runs of ``text`` (folded first) decode to, where that is readable text:
-    base64 or hex of UTF-8, one level deep. All of them (a cap would let an attack hide behind
-    enough harmless runs); together they are shorter than ``text``."""
+    base64 or hex of UTF-8, and what runs inside those decode to, up to ``MAX_DECODE_DEPTH``
+    levels (base64 of base64). All of them (a cap would let an attack hide behind enough
+    harmless runs); each level is shorter than the one it came from."""
     folded = unicodedata.normalize("NFKC", text).translate(_TABLE)
-    decoded = (_decode(folded[start:end]) for start, end in _encoded_spans(folded))
-    return [d for d in decoded if d is not None]
+    out = []
+    for start, end in _encoded_spans(folded):
+        decoded = _decode(folded[start:end])
+        if decoded is not None:
+            out.append(decoded)
+            if _depth + 1 < MAX_DECODE_DEPTH:
+                out += decoded_payloads(decoded, _depth + 1)
+    return out
 
 
-def _encoded_spans(text: str) -> list[tuple[int, int]]:
+def decoded_runs(text: str) -> list[tuple[int, int, str]]:
+    """``(start, end, decoded)`` of each encoded run of ``text`` that decodes to readable UTF-8,
+    digits alone included (a card number), with ``start`` and ``end`` indexing ``text`` itself
+    (folded per character, so fullwidth base64 is found too), for a rail that rewrites spans:
+    the PII rail reads what a run says and writes it out in place (gateway PII redaction)."""
+    folded = unicodedata.normalize("NFKC", text).translate(_TABLE)
+    if not _encoded_spans(folded, loose=True):
+        return []  # the common case: one pass, no per-character folding
+    pieces = [unicodedata.normalize("NFKC", c).translate(_TABLE) for c in text]
+    offsets = list(itertools.accumulate(map(len, pieces), initial=0))  # folded offset of each character
+    folded = "".join(pieces)
+    runs = []
+    for start, end in _encoded_spans(folded, loose=True):
+        decoded = _decode(folded[start:end], letters=False)
+        if decoded is not None:
+            runs.append((bisect.bisect_right(offsets, start) - 1, bisect.bisect_left(offsets, end), decoded))
+    return runs
+
+
+def _encoded_spans(text: str, *, loose: bool = False) -> list[tuple[int, int]]:
     """(start, end) of the runs that look encoded: hex of 16+ digits with a digit and a letter,
     or base64 of 20+ characters mixing upper case, lower case and digits (a word, a path or a
-    snake_case name does not)."""
+    snake_case name does not). ``loose``: hex of digits alone, base64 without digits too (the
+    base64 of "4111 1111 1111 1111" has none); for a caller that keeps only runs whose decoded
+    text has something in it (the PII rail), so a CamelCase name costs one failed decode."""
     spans, i, n = [], 0, len(text)
     while i < n:
         if text[i] not in _B64_CHARS:
@@ -97,7 +128,7 @@ def _encoded_spans(text: str) -> list[tuple[int, int]]:
             j += 1
         run = text[i:j].strip("-_")
         start = i + text[i:j].index(run) if run else i
-        if run and _looks_encoded(run):
+        if run and _looks_encoded(run, loose):
             end = start + len(run)
             while end < min(n, start + len(run) + 2) and text[end] == "=":  # base64 padding
                 end += 1
@@ -106,16 +137,18 @@ def _encoded_spans(text: str) -> list[tuple[int, int]]:
     return spans
 
 
-def _looks_encoded(run: str) -> bool:
+def _looks_encoded(run: str, loose: bool = False) -> bool:
     digits = any(c.isdigit() for c in run)
     if len(run) >= _MIN_HEX and digits and all(c in _HEX_CHARS for c in run):
-        return any(c.isalpha() for c in run)
-    if len(run) < _MIN_B64 or not digits:
+        return loose or any(c.isalpha() for c in run)
+    if len(run) < _MIN_B64 or not (digits or loose):
         return False
     return any(c.isupper() for c in run) and any(c.islower() for c in run)
 
 
-def _decode(run: str) -> str | None:
+def _decode(run: str, *, letters: bool = True) -> str | None:
+    """What ``run`` decodes to, if it is readable text (with a letter in it, unless ``letters``
+    is false)."""
     raw: bytes | None = None
     if len(run) % 2 == 0 and all(c in _HEX_CHARS for c in run):
         raw = bytes.fromhex(run)
@@ -131,6 +164,6 @@ def _decode(run: str) -> str | None:
     except UnicodeDecodeError:
         return None
     readable = sum(c.isprintable() or c.isspace() for c in decoded)
-    if not decoded or readable < 0.95 * len(decoded) or not any(c.isalpha() for c in decoded):
+    if not decoded or readable < 0.95 * len(decoded) or (letters and not any(c.isalpha() for c in decoded)):
         return None
     return decoded

@@ -135,10 +135,10 @@ def test_poisoned_passage_is_dropped(client, engine_events):
         client.vector_stores.delete(store.id)
 
 
-def test_the_search_uses_the_rails_embedding_of_the_query(client, engine_events):
-    """The input rails embed the last user message anyway and hand that vector to the search:
-    the embedding deployment encodes nothing for a chat, and the passage is still found. A
-    redacted query is embedded again (the rails' vector is of the text before redaction)."""
+def test_the_search_runs_beside_the_rails_and_embeds_its_own_query(client, engine_events):
+    """The Retriever embeds the last user message with its own encoder while the input rails
+    check the request: the embedding deployment encodes nothing for a chat, the passage is
+    found, and a redacted query's passages answer the redacted text."""
     from ray import serve
 
     from gateway.deploy import GATEWAY_APP
@@ -151,15 +151,14 @@ def test_the_search_uses_the_rails_embedding_of_the_query(client, engine_events)
             purpose="assistants",
         )
         client.vector_stores.files.create(vector_store_id=store.id, file_id=f.id)
-        fresh = f"({time.time_ns()})"  # a text no verdict is remembered for: the rails embed it
+        fresh = f"({time.time_ns()})"  # a text no verdict is remembered for
         embedder.reset_batch_stats.remote().result()
         chat(client, f"When does the parking garage open? {fresh}")
         assert "garage opens at 7am" in engine_events("started")[-1]["prompt"]
-        assert embedder.batch_stats.remote().result()["inputs"] == 0
         chat(client, f"When does the parking garage open? Write to me at ann@example.com {fresh}")
         prompt = engine_events("started")[-1]["prompt"]
         assert "garage opens at 7am" in prompt and "ann@example.com" not in prompt
-        assert embedder.batch_stats.remote().result()["inputs"] == 1
+        assert embedder.batch_stats.remote().result()["inputs"] == 0
     finally:
         client.vector_stores.delete(store.id)
 

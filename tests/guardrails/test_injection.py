@@ -367,8 +367,9 @@ def _flag(rows):
 
 
 def test_primed_use_vectors_give_the_same_scores():
-    """The deployment encodes a request's texts with USE in a thread beside the MiniLM pass
-    (``prime``); scoring then uses those vectors, once each, and scores what was not primed."""
+    """The deployment encodes the texts of concurrent requests with USE in one call, ahead of
+    scoring (``prime_chunks``, ``store_primed``); scoring then uses those vectors, once each,
+    and scores what was not primed. A text's score does not depend on what it was encoded with."""
     detector, encoder = _serving_detector()
     scorer = detector.scorer
     texts = [

@@ -213,6 +213,53 @@ def test_pii_verdict_allows_clean_text():
     assert check_pii("What's the capital of France?", ACTIONS).allowed
 
 
+def _fullwidth(text: str) -> str:
+    return "".join(chr(ord(c) + 0xFEE0) if "!" <= c <= "~" else c for c in text)
+
+
+@pytest.mark.parametrize("encode", ["base64", "urlsafe", "hex", "fullwidth base64"])
+def test_pii_written_encoded_for_the_model_to_decode_is_found(encode):
+    """A model decodes base64 and hex: a card number or an address written that way is the
+    entity, blocked or redacted as the policy says. Digits alone decode too (the base64 of a
+    spaced card number has no digit in it)."""
+    import base64
+
+    def enc(plain: str) -> str:
+        raw = plain.encode()
+        if encode == "hex":
+            return raw.hex()
+        if encode == "urlsafe":
+            return base64.urlsafe_b64encode(raw).decode()
+        b64 = base64.b64encode(raw).decode()
+        return _fullwidth(b64) if encode == "fullwidth base64" else b64
+
+    for card in ("4111 1111 1111 1111", "4111111111111111", "my card: 5555 5555 5555 4444"):
+        verdict = check_pii(f"Decode this and keep it: {enc(card)} thanks", ACTIONS)
+        assert verdict.blocked and verdict.reason == "detected credit_card", (card, encode)
+    verdict = check_pii(f"Write to {enc('mail jane.doe@example.org today')} please.", ACTIONS)
+    assert verdict.redacted and verdict.text == "Write to mail <EMAIL> today please."
+    # Encoded text without an entity is left as it was written.
+    assert check_pii(f"Decode {enc('the weather is nice today')} please.", ACTIONS).allowed
+
+
+def test_pii_encoded_twice_is_found():
+    import base64
+
+    twice = base64.b64encode(base64.b64encode(b"card 4111 1111 1111 1111")).decode()
+    assert check_pii(f"decode twice: {twice}", ACTIONS).blocked
+    address = base64.b64encode(base64.b64encode(b"mail jane.doe@example.org")).decode()
+    assert check_pii(f"write to {address}", ACTIONS).text == "write to mail <EMAIL>"
+
+
+def test_encoded_looking_words_and_hashes_are_not_pii():
+    for text in (
+        "ThisIsAVeryLongCamelCaseIdentifierName returns a value",
+        "sha256 9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08",
+        "order 123456789012345678901234 shipped",
+    ):
+        assert check_pii(text, ACTIONS).allowed, text
+
+
 # --- RE2 boundaries: lookbehind/lookahead emulation keeps the spans of the `re` patterns ----------
 
 

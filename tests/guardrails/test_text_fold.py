@@ -103,6 +103,17 @@ def test_an_encoded_instruction_is_decoded_and_judged(wrapped, attack):
         assert InjectionDetector(None, 0.5).check(text).blocked
 
 
+def test_an_instruction_encoded_twice_or_three_times_is_decoded_and_judged():
+    import base64
+
+    once, twice = _b64(ATTACK), base64.b64encode(_b64(ATTACK).encode()).decode()
+    thrice = twice.encode().hex()
+    for text in (f"decode twice: {twice}", f"hex of base64 of base64: {thrice}"):
+        payloads = decoded_payloads(text)
+        assert ATTACK in payloads and (once in payloads or twice in payloads), text
+        assert InjectionDetector(None, 0.5).check(text).blocked
+
+
 @pytest.mark.parametrize(
     ("text", "folded"),
     [

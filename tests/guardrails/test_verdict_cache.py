@@ -1,9 +1,8 @@
-"""The guardrails replica's verdict cache: bounded, per policy version, deterministic verdicts only."""
+"""The verdict cache (guardrails replica and ingress): bounded, per policy version, deterministic verdicts only."""
 
 from __future__ import annotations
 
-from guardrails.deployment import VerdictCache
-from guardrails.verdict import PolicyCode, Verdict
+from guardrails.verdict import PolicyCode, Verdict, VerdictCache
 
 
 def test_bounded_lru():

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from ray import serve  # noqa: E402
 
+from engines.provision import default_models_dir
 from retrieval.config import ChunkingConfig, EmbeddingModelConfig, RetrievalConfig  # noqa: E402
 from retrieval.embedding_deployment import OMP_ENV, Embedder  # noqa: E402
 from retrieval.encoder import SentenceEncoder  # noqa: E402
@@ -377,6 +378,41 @@ def test_cli_ingest_through_an_sdk_shaped_client(retriever, tmp_path):
     assert hits[0].filename == "tea.md" and hits[0].attributes == {"path": "tea.md"}
     again = ingest_folder(client, folder, "cli-notes", ["**/*.md"], progress=False)
     assert again.store_id == summary.store_id and again.files == 1
+
+
+def test_a_local_query_encoder_finds_what_the_embedder_finds(retriever, corpus, storage):
+    """The gateway's default (``retrieval.query_embedding: local``): a second Retriever on the
+    same storage embeds queries with its own int8 ONNX encoder, makes no call to its Embedder
+    for them, and ranks as the Embedder-backed one does."""
+    store_id, _ = corpus
+    config = _config(storage).model_copy(
+        update={
+            "query_encoder": EmbeddingModelConfig(
+                model_path=default_models_dir() / "all-MiniLM-L6-v2", backend="onnx-int8", num_threads=1
+            )
+        }
+    )
+    app = APP + "-local-query"
+    embedder = Embedder.options(ray_actor_options={"num_cpus": 0.1, "runtime_env": {"env_vars": OMP_ENV}}).bind(
+        config.embedding
+    )
+    local = serve.run(
+        Retriever.options(ray_actor_options={"num_cpus": 0.1}).bind(embedder, config), name=app, route_prefix=None
+    )
+    try:
+        queries = ["How do black holes form from collapsing stars?", "how long should spaghetti boil", "offside"]
+        for query in queries:
+            shared_page = retriever.search.remote(store_id, query, max_num_results=3, caller=OP).result()
+            local_page = local.search.remote(store_id, query, max_num_results=3, caller=OP).result()
+            assert [d["file_id"] for d in local_page["data"]] == [d["file_id"] for d in shared_page["data"]]
+            assert local_page["data"][0]["score"] == pytest.approx(shared_page["data"][0]["score"], abs=0.03)
+            shared = retriever.retrieve.remote(["docs"], None, query, 3, caller=OP).result()
+            found = local.retrieve.remote(["docs"], None, query, 3, caller=OP).result()
+            assert [(p.file_id, p.chunk_index) for p in found][:1] == [(p.file_id, p.chunk_index) for p in shared][:1]
+        stats = serve.get_deployment_handle("Embedder", app_name=app).batch_stats.remote().result()
+        assert stats["inputs"] == 0  # every query was embedded in the Retriever replica
+    finally:
+        serve.delete(app)
 
 
 # Last: restarts the application.

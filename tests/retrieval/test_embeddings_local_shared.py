@@ -1,4 +1,4 @@
-"""The guardrails' in-replica encoder: int8 ONNX vectors, merged concurrent calls."""
+"""Stage encoders (retrieval.embeddings): the in-replica int8 ONNX vectors, merged concurrent calls; the shared deployment."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from engines.provision import default_models_dir
-from guardrails.embeddings import LocalEmbeddings, SharedEmbeddings
 from retrieval.config import EmbeddingModelConfig
+from retrieval.embeddings import LocalEmbeddings, SharedEmbeddings
 from retrieval.encoder import SentenceEncoder
 
 MODEL = default_models_dir() / "all-MiniLM-L6-v2"

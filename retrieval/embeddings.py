@@ -1,12 +1,15 @@
-"""Where the input rails get their embeddings: this replica's own encoder, or the shared
-embedding deployment.
+"""Where a stage gets its embeddings of short texts (the rails' texts, retrieval queries): its
+replica's own encoder, or the shared embedding deployment.
 
-``local`` (the default) encodes in the guardrails replica with the int8 ONNX export of the
-same model the embedding deployment serves. One Serve hop fewer and ONNX's speed on single
-texts take the input rails from ~47 ms to 6.8 ms added per request on the 2-core CI machine
-(benchmarks/bench_guardrails.py), at the price of a copy of the model (23 MB) per replica.
+``local`` (the default for both the guardrails and the retrieval search) encodes in the
+calling replica with the int8 ONNX export of the same model the embedding deployment serves.
+One Serve hop fewer and ONNX's speed on single texts took the input rails from ~47 ms to 6.8
+ms added per request on the 2-core CI machine (benchmarks/bench_guardrails.py), and the
+retrieval search's query from a 33 ms float32 torch pass plus a batch wait to ~3 ms
+(benchmarks/overhead.py), at the price of a copy of the model (23 MB) per replica.
 ``shared`` sends each text to the embedding deployment, where ``@serve.batch`` groups it with
-other callers' texts: worth it when guardrails replicas are many and memory is short.
+other callers' texts: worth it when replicas are many and memory is short. Documents being
+indexed always go to the embedding deployment (large batches are what it is for).
 """
 
 from __future__ import annotations
@@ -22,10 +25,13 @@ from ray.serve.handle import DeploymentHandle
 from retrieval.config import EmbeddingModelConfig
 from retrieval.embedding_deployment import EncodeGate, QueuedInput
 from retrieval.encoder import SentenceEncoder
+from retrieval.file_indexer import gather_responses
+
+_INLINE_TOKENIZE_CHARS = 4096
 
 
-class RailEmbeddings(Protocol):
-    """Embeds the texts a rail needs, one L2-normalised vector each, truncating over-long ones."""
+class TextEmbeddings(Protocol):
+    """Embeds short texts, one L2-normalised vector each, truncating over-long ones."""
 
     async def embed(self, texts: Sequence[str]) -> list[np.ndarray]: ...
 
@@ -44,10 +50,16 @@ class LocalEmbeddings:
         if not texts:
             return []
         now = time.perf_counter()
-        # Tokenizing a text the rails send (at most ~1000 characters, see embedding_chunks)
-        # takes ~0.1 ms: inline, no thread hop.
-        items = [QueuedInput(self._encoder.token_ids(t, truncate=True), now) for t in texts]
-        return await self._gate.submit(items)
+
+        def tokenized() -> list[QueuedInput]:
+            return [QueuedInput(self._encoder.token_ids(t, truncate=True), now) for t in texts]
+
+        # Tokenizing a text the rails send (at most ~1000 characters, see embedding_chunks) or a
+        # short search query takes ~0.1 ms: inline, no thread hop. A long query (a pasted
+        # document as the last user message) is tokenized whole before it is cut to the
+        # window: in a thread, so the replica's event loop keeps serving.
+        long = sum(len(t) for t in texts) > _INLINE_TOKENIZE_CHARS
+        return await self._gate.submit(await asyncio.to_thread(tokenized) if long else tokenized())
 
     async def _encode(self, items: list[QueuedInput]) -> list[np.ndarray]:
         # In a worker thread: ONNX Runtime releases the GIL, the replica keeps serving.
@@ -66,4 +78,4 @@ class SharedEmbeddings:
             raise RuntimeError("no embedding deployment configured")
         # One call per text so the embedding deployment's @serve.batch can group them.
         # truncate: a chunk of ~1000 characters of code can exceed the 256-token window.
-        return list(await asyncio.gather(*(self._embedder.embed.remote(t, truncate=True) for t in texts)))
+        return await gather_responses([self._embedder.embed.remote(t, truncate=True) for t in texts])
