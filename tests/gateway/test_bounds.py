@@ -391,7 +391,7 @@ class _Handle:
 
 
 def _retrieve(retriever, guard=None, **policy):
-    from gateway.chat_stages import RetrievalRequest, retrieval
+    from gateway.chat_stages import PendingSearch, RetrievalRequest, retrieved_passages
     from guardrails.config import GuardrailPolicy
     from retrieval.config import RetrievalPolicy
     from retrieval.tenancy import Caller
@@ -399,21 +399,14 @@ def _retrieve(retriever, guard=None, **policy):
     rp = RetrievalPolicy(enabled=True, collections=["docs"], **policy)
     gp = GuardrailPolicy(enabled=guard is not None)
     messages = [{"role": "user", "content": "how many vacation days?"}]
-    passages = asyncio.run(
-        retrieval(
-            retriever,
-            guard,
-            "m",
-            rp,
-            gp,
-            RetrievalRequest(),
-            messages,
-            Caller("operator", admin=True),
-            timeout_s=0.2,
-            guardrails_timeout_s=0.2,
-            retry_after_s=2,
-        )
-    )
+
+    async def run():
+        search = PendingSearch(
+            retriever, "m", rp, RetrievalRequest(), Caller("operator", admin=True), timeout_s=0.2, retry_after_s=2
+        ).submit(messages)
+        return await retrieved_passages(search, guard, gp, messages, guardrails_timeout_s=0.2, retry_after_s=2)
+
+    passages = asyncio.run(run())
     return passages, messages
 
 
