@@ -34,10 +34,8 @@ logger = logging.getLogger(__name__)
 
 # Above this many characters in one call, the rails run in a worker thread.
 _INLINE_RAIL_CHARS = 8192
-# Chunks (of at most ~1000 characters) the multilingual encoder takes in one call at most,
-# and up to how many characters in all it encodes on the event loop (about 10 ms of work).
+# Chunks (of at most ~1000 characters) the multilingual encoder takes in one call at most.
 _USE_BATCH_CHUNKS = 64
-_INLINE_USE_CHARS = 2048
 
 
 def _check_all(
@@ -223,11 +221,10 @@ class Guardrails:
         if found is None or found[0] is not scorer:
 
             async def encode(chunks: list[str]) -> np.ndarray:
-                if sum(map(len, chunks)) <= _INLINE_USE_CHARS:
-                    # A few short texts (~5 ms): on the event loop. A hop to a worker thread
-                    # cost more than it saved, measured (benchmarks/overhead.py: the input
-                    # rails 19.5 -> 16.6 ms sequential, requests/s at 32 clients 57 -> 74).
-                    return scorer.use_encoder().encode(chunks)
+                # In a worker thread: numpy releases the GIL in its matrix products, and the
+                # replica's event loop (which Serve's throughput mode shares) keeps serving.
+                # Inline on the loop for batches of up to 2048 characters measured no better
+                # (within the runs' noise: benchmarks/overhead.py, bench_guardrails.py).
                 return await asyncio.to_thread(scorer.use_encoder().encode, chunks)
 
             found = (scorer, EncodeGate(encode, limit=1, max_size=_USE_BATCH_CHUNKS))
