@@ -93,6 +93,7 @@ class Guardrails:
         self._classifier_path = classifier_path or str(DEFAULT_ARTIFACT)
         self._classifier = load_scorer(self._classifier_path)
         self._hf_scorers: dict[str, InjectionScorer] = {}
+        self._scorers: dict[str, InjectionScorer] = {}  # artifacts a policy names by path
         self._topics: dict[str, TopicMatcher] = {}
         self._guards: dict[str, tuple[GuardrailPolicy, InputGuard]] = {}
         self._verdicts = VerdictCache()
@@ -176,7 +177,7 @@ class Guardrails:
     ) -> list[Verdict]:
         # The ensemble's multilingual encoder needs only the text: it encodes while the MiniLM
         # vectors are computed (when a rail reads them), together with concurrent requests'
-        # texts (``_encode_use``).
+        # texts (``_use_gate``).
         scorer = guard.injection.scorer if guard.injection else None
         batched = hasattr(scorer, "prime_chunks")
         primed = asyncio.ensure_future(self._prime(guard, scorer, texts)) if batched else None
@@ -284,5 +285,9 @@ class Guardrails:
                 self._hf_scorers[path] = await asyncio.to_thread(HfInjectionClassifier, injection.hf)
             return self._hf_scorers[path]
         if injection.classifier_path and injection.classifier_path != self._classifier_path:
-            return load_scorer(injection.classifier_path)
+            # Kept per path, as the HF classifiers are: a policy edit does not reload the
+            # artifact, and the scorers (and their encode gates, ``_use_gate``) stay bounded.
+            if injection.classifier_path not in self._scorers:
+                self._scorers[injection.classifier_path] = load_scorer(injection.classifier_path)
+            return self._scorers[injection.classifier_path]
         return self._classifier

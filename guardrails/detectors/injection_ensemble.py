@@ -119,7 +119,7 @@ class InjectionEnsemble:
 
     @property
     def runs_model(self) -> bool:
-        """Whether scoring runs an encoder itself (the deployment then scores in a thread)."""
+        """Whether scoring runs an encoder itself (for chunks not primed: ``prime_chunks``)."""
         return "use" in self.components
 
     def score_input(self, text: str, embedding: np.ndarray | None) -> float:
@@ -175,13 +175,6 @@ class InjectionEnsemble:
     def score_char(self, texts: list[str]) -> np.ndarray:
         assert self._char is not None and self.char_weights is not None
         return _sigmoid(np.asarray(self._char.transform(texts) @ self.char_weights).ravel() + self.char_bias)
-
-    def prime(self, texts: list[str]) -> None:
-        """Encode ``texts``' chunks with USE now, in one call, for the ``score_input`` calls that
-        follow (see ``prime_chunks``)."""
-        chunks = self.prime_chunks(texts)
-        if chunks:
-            self.store_primed(chunks, self.use_encoder().encode(chunks))
 
     def prime_chunks(self, texts: list[str]) -> list[str]:
         """The folded chunks whose USE vectors scoring ``texts`` will need (what their encoded

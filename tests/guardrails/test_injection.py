@@ -379,7 +379,8 @@ def test_primed_use_vectors_give_the_same_scores():
     ]
     vectors = [encoder.encode(embedding_chunks(t)) for t in texts]
     plain = [scorer.score_input(t, v) for t, v in zip(texts, vectors)]
-    scorer.prime(texts[:2])
+    chunks = scorer.prime_chunks(texts[:2])  # as the deployment does, with other requests' chunks
+    scorer.store_primed(chunks, scorer.use_encoder().encode(chunks))
     assert len(scorer._primed) == 2
     primed = [scorer.score_input(t, v) for t, v in zip(texts, vectors)]
     assert scorer._primed == {}  # used, not kept
