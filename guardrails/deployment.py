@@ -52,7 +52,7 @@ def _check_all(
             # as failed rails (blocked unless the policy fails open).
             guard.metrics.record_error("time_budget")
             verdict = (
-                Verdict.allow("time_budget")
+                Verdict.allow_failed("time_budget")
                 if guard.policy.fail_open
                 else Verdict.block("time_budget", PolicyCode.RAIL_ERROR, "the input rails ran out of time")
             )
@@ -250,7 +250,7 @@ class Guardrails:
             self.metrics.record_error("setup")
             logger.error("guardrails for %s could not be built: %s", model_id, type(exc).__name__)
             if policy.fail_open:
-                return Verdict.allow("setup")
+                return Verdict.allow_failed("setup")
             return Verdict.block("setup", PolicyCode.RAIL_ERROR, "the configured rails could not be loaded")
 
     async def _guard(self, model_id: str, policy: GuardrailPolicy) -> InputGuard:

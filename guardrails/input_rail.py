@@ -52,7 +52,7 @@ def run_rail(rail: str, check: Callable[[], Verdict], *, fail_open: bool, metric
         logger.error("rail %s raised %s", rail, type(exc).__name__)
         logger.debug("rail %s traceback", rail, exc_info=True)
         if fail_open:
-            return Verdict.allow(rail)
+            return Verdict.allow_failed(rail)
         verdict = Verdict.block(rail, PolicyCode.RAIL_ERROR, f"rail {rail} failed")
     metrics.record_verdict(verdict)
     return verdict

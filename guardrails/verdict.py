@@ -40,6 +40,8 @@ class Verdict:
 
     `reason` is short and written by the rail itself; it never quotes the user's or model's text, so it
     is safe to log and to return to the client. `text` is set only when `action` is REDACTED.
+    `failed_open` marks a verdict that let text through only because a rail failed and the
+    policy fails open: it says nothing about the text, so it is never remembered.
     """
 
     action: Action
@@ -48,11 +50,17 @@ class Verdict:
     score: float | None = None
     code: PolicyCode | None = None
     text: str | None = None
+    failed_open: bool = False
 
     @classmethod
     def allow(cls, rail: str, score: float | None = None) -> Verdict:
         """An allowed verdict."""
         return cls(Action.ALLOWED, rail, score=score)
+
+    @classmethod
+    def allow_failed(cls, rail: str) -> Verdict:
+        """The allow a failed rail yields under ``fail_open``: not a judgement of the text."""
+        return cls(Action.ALLOWED, rail, reason=f"rail {rail} failed open", failed_open=True)
 
     @classmethod
     def block(cls, rail: str, code: PolicyCode, reason: str, score: float | None = None) -> Verdict:
@@ -82,17 +90,21 @@ def combine(verdicts: Iterable[Verdict], rail: str = "guardrails") -> Verdict:
 
     The first block wins. Otherwise, if any rail redacted, the result is REDACTED with the text of the
     last redaction: rails run in sequence each see the previous rail's rewrite (see `run_sequence`), so
-    the last text already contains every earlier redaction.
+    the last text already contains every earlier redaction. A rail that failed open makes the result
+    `failed_open` too, so no cache keeps it.
     """
     redactions: list[Verdict] = []
+    failed: Verdict | None = None
     for verdict in verdicts:
         if verdict.blocked:
             return verdict
         if verdict.redacted:
             redactions.append(verdict)
+        if verdict.failed_open and failed is None:
+            failed = verdict
     if not redactions:
-        return Verdict.allow(rail)
-    if len(redactions) == 1:
+        return failed if failed is not None else Verdict.allow(rail)
+    if len(redactions) == 1 and failed is None:
         return redactions[0]
     return Verdict(
         Action.REDACTED,
@@ -100,6 +112,7 @@ def combine(verdicts: Iterable[Verdict], rail: str = "guardrails") -> Verdict:
         reason="; ".join(v.reason for v in redactions if v.reason),
         code=redactions[0].code,
         text=redactions[-1].text,
+        failed_open=failed is not None,
     )
 
 
@@ -130,7 +143,8 @@ def policy_version(policy: Any) -> str:
 
 class VerdictCache:
     """Bounded LRU of verdicts by (policy version, text digest). Only verdicts a rail reached
-    on its own are kept: a rail error or a budget overrun is decided again next time. The
+    on its own are kept: a rail error or a budget overrun, blocked or failed open, is decided
+    again next time. The
     guardrails replica keeps one (a long conversation pays only for its new messages), and so
     does the ingress for retrieved passages (the same passages answer many questions: a
     known one needs no call to the guardrails)."""
@@ -150,7 +164,7 @@ class VerdictCache:
         return verdict
 
     def put(self, key: tuple[str, bytes], verdict: Verdict) -> None:
-        if verdict.code is PolicyCode.RAIL_ERROR or verdict.rail in ("time_budget", "embedding", "setup"):
+        if verdict.failed_open or verdict.code is PolicyCode.RAIL_ERROR:
             return
         self._data[key] = verdict
         self._data.move_to_end(key)

@@ -77,6 +77,38 @@ def test_raising_rail_fails_open_when_configured():
     assert guard.metrics.errors() == 1
 
 
+class BrokenOnce:
+    """A scorer that fails its first call, then flags everything (a classifier that crashed once)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def score_input(self, text, embedding):
+        self.calls += 1
+        if self.calls == 1:
+            raise RuntimeError("model crashed")
+        return 1.0
+
+
+def test_a_failed_open_verdict_is_not_remembered():
+    """Under fail_open a crashed rail lets the text through; that allow is no judgement of the
+    text, so neither the replica's nor the ingress's verdict cache may keep it: the next time
+    the same text comes, the rail runs again (and here blocks it). A redaction by another rail
+    in the same check must not hide the failure either."""
+    from guardrails.verdict import VerdictCache
+
+    policy = POLICY.model_copy(update={"fail_open": True})
+    for text in ("hello", "mail me at a@example.com"):
+        guard, cache = make_guard(policy=policy, scorer=BrokenOnce()), VerdictCache()
+        key = VerdictCache.key("v1", text)
+        first = guard.check_text(text, np.array([0.0, 1.0, 0.0]))
+        assert not first.blocked and first.failed_open
+        cache.put(key, first)
+        assert cache.get(key) is None
+        again = guard.check_text(text, np.array([0.0, 1.0, 0.0]))
+        assert again.blocked and again.code is PolicyCode.PROMPT_INJECTION
+
+
 def test_missing_embedding_for_topics_fails_closed():
     verdict = InputGuard(POLICY, None, make_guard().topics).check_text("hello", None)
     assert verdict.blocked and verdict.code is PolicyCode.RAIL_ERROR

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from guardrails.verdict import PolicyCode, Verdict, VerdictCache
+from guardrails.verdict import PolicyCode, Verdict, VerdictCache, combine
 
 
 def test_bounded_lru():
@@ -29,9 +29,13 @@ def test_failures_are_not_remembered():
     for verdict in (
         Verdict.block("injection", PolicyCode.RAIL_ERROR, "rail failed"),
         Verdict.block("time_budget", PolicyCode.RAIL_ERROR, "out of time"),
-        Verdict.allow("time_budget"),
-        Verdict.allow("embedding"),
+        Verdict.allow_failed("time_budget"),
+        Verdict.allow_failed("embedding"),
+        Verdict.allow_failed("setup"),
+        combine([Verdict.allow("pii"), Verdict.allow_failed("injection")]),
+        combine([Verdict.redact("pii", "<EMAIL>", "email"), Verdict.allow_failed("injection")]),
     ):
+        assert verdict.failed_open or verdict.code is PolicyCode.RAIL_ERROR
         key = VerdictCache.key("v1", verdict.rail + verdict.reason)
         cache.put(key, verdict)
         assert cache.get(key) is None
