@@ -21,7 +21,7 @@ from retrieval.service import Retriever
 
 logger = logging.getLogger(__name__)
 
-# Trained by `make models` (guardrails/train_injection.py) from the labeled set in the repo.
+# The shipped artifact (guardrails/data), installed by `make models`; `make train-injection` retrains it.
 INJECTION_CLASSIFIER = "injection_classifier.npz"
 
 
