@@ -98,6 +98,13 @@ class Server:
         time.sleep(3)  # let Ray's and vLLM's processes release the cores
 
 
+class Arm:
+    """One way to reach the model: a base URL, the model id to send, the proxy's overhead header."""
+
+    def __init__(self, name: str, port: int, model: str, header: str | None = None):
+        self.name, self.url, self.model, self.header = name, f"http://127.0.0.1:{port}", model, header
+
+
 async def timed_stream(http: httpx.AsyncClient, body: dict, overhead_header: str | None = None) -> dict:
     """One streamed chat completion, timed as the client sees it.
 
@@ -327,6 +334,7 @@ def gateway_stage_means(session_dir: Path = Path("/tmp/ray/session_latest")) -> 
         "ray_gateway_stage_latency_ms": "stage",
         "ray_gateway_rail_latency_ms": "rail",
         "ray_gateway_overhead_ms": "model",
+        "ray_gateway_stream_overhead_per_token_ms": "model",
         "ray_serve_batch_execution_time_ms": "deployment",
         "ray_serve_batch_wait_time_ms": "deployment",
     }

@@ -3,7 +3,8 @@ is not drowned by an engine's:
 
     python benchmarks/instant_backend.py backend --port 9000
         an OpenAI-compatible chat completions server that answers at once with a fixed short
-        answer, streamed or not (what LiteLLM's proxy is put in front of);
+        answer, streamed or not, or with max_tokens chunks when streaming (what LiteLLM's proxy
+        is put in front of);
     python benchmarks/instant_backend.py gateway --config gateway.yaml --dashboard-port 8266
         the gateway exactly as ``python -m gateway run`` serves it, with the tests' scripted
         (instant) engine injected through ``engine_cls`` instead of vLLM.
@@ -43,7 +44,8 @@ def backend_app():
     async def chat(request: Request) -> Response:
         body = orjson.loads(await request.body())
         base = {"id": "chatcmpl-instant", "created": int(time.time()), "model": body.get("model", "instant")}
-        usage = {"prompt_tokens": 8, "completion_tokens": 1, "total_tokens": 9}
+        n = (body.get("max_tokens") or 1) if body.get("stream") else 1
+        usage = {"prompt_tokens": 8, "completion_tokens": n, "total_tokens": 8 + n}
         if not body.get("stream"):
             message = {"role": "assistant", "content": ANSWER}
             choice = {"index": 0, "message": message, "finish_reason": "stop", "logprobs": None}
@@ -52,7 +54,10 @@ def backend_app():
                 media_type="application/json",
             )
         chunk = {**base, "object": "chat.completion.chunk"}
-        deltas = [{"role": "assistant", "content": ""}, {"content": ANSWER}]
+        # Streams: max_tokens content chunks ("t0 ", "t1 ", ... as the scripted engine's
+        # [[tokens:N]]), for the per-chunk phase; one ("Hi") without it.
+        pieces = [ANSWER] if n == 1 else [f"t{i} " for i in range(n)]
+        deltas = [{"role": "assistant", "content": ""}, *({"content": p} for p in pieces)]
         events = [{**chunk, "choices": [{"index": 0, "delta": d, "finish_reason": None}]} for d in deltas]
         events.append({**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
         if (body.get("stream_options") or {}).get("include_usage"):

@@ -40,6 +40,10 @@ logger = logging.getLogger(__name__)
 
 OVERHEAD_HEADER = "x-gateway-overhead-ms"
 _OVERHEAD_HEADER_BYTES = OVERHEAD_HEADER.encode()
+# On every response unless a route set its own: bodies are never sniffed as another type (a
+# model's answer is not HTML), and neither answers nor errors are kept by caches in between
+# (the chat page's files set their own Cache-Control).
+_SAFETY_HEADERS = ((b"x-content-type-options", b"nosniff"), (b"cache-control", b"no-store"))
 
 _LATENCY_MS = [5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000, 120000]
 _OVERHEAD_MS = [0.5, 1, 2, 3, 5, 7.5, 10, 15, 20, 30, 50, 75, 100, 250, 1000]
@@ -294,7 +298,10 @@ class ObservedRequests:
                 status = message["status"]
                 stats.overhead_ms = max(0.0, (time.perf_counter() - stats.started - stats.engine_s) * 1000)
                 value = f"{stats.overhead_ms:.2f}".encode()
-                message = {**message, "headers": [*message.get("headers", ()), (_OVERHEAD_HEADER_BYTES, value)]}
+                headers = [*message.get("headers", ()), (_OVERHEAD_HEADER_BYTES, value)]
+                present = {name.lower() for name, _ in headers}
+                headers += [h for h in _SAFETY_HEADERS if h[0] not in present]
+                message = {**message, "headers": headers}
                 if status >= 400:
                     error_body = []
             elif error_body is not None and message["type"] == "http.response.body":

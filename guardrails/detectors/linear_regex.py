@@ -182,6 +182,11 @@ def _matcher(pattern: Pattern) -> Callable[[bytes, int], list[tuple[int, int]]]:
     return match
 
 
+def found_in(pattern: Pattern, data: bytes) -> bool:
+    """Whether `pattern` matches anywhere in `data` (one RE2 search, no match object)."""
+    return _matcher(pattern)(data, 0)[0][0] >= 0
+
+
 def finditer_spans(pattern: Pattern, data: bytes, group: int = 1) -> Iterator[tuple[int, int]]:
     """Span (str offsets) of `group` in each match of a lookaround-emulating pattern.
 

@@ -357,9 +357,12 @@ _PRIORITY = {entity: i for i, entity in enumerate(EntityType)}
 
 def detect(text: str, entities: Iterable[EntityType] | None = None) -> list[PiiFinding]:
     """Find PII and secrets in `text`, sorted by position, overlapping findings resolved to the longest."""
-    wanted = set(EntityType) if entities is None else set(entities)
+    wanted = frozenset(EntityType) if entities is None else frozenset(entities)
     found: list[PiiFinding] = []
     subject = lrx.lead_subject(text)
+    any_rule = _any_rule(wanted)
+    if any_rule is None or not lrx.found_in(any_rule, subject):
+        return found  # no rule matches anywhere: one search instead of one per rule
     for rule in _RULES:
         if rule.entity not in wanted:
             continue
@@ -378,10 +381,34 @@ def detect(text: str, entities: Iterable[EntityType] | None = None) -> list[PiiF
     return _resolve_overlaps(found)
 
 
+# RE2's budget for the DFA cache of the patterns below, which hold many rules each: with the
+# default (8 MB) a union kept refilling its cache (25-300 us a search against about 1 us); RE2
+# takes the memory as the cache grows, not up front.
+_UNION_MAX_MEM = 32 << 20
+
+
 @functools.cache
-def _open_tails() -> tuple[lrx.Pattern, ...]:
-    # Compiled on first use (about 0.1 s for all rules), once per process.
-    return tuple(partial_regex.compile_open_tail(rule.pattern.pattern) for rule in _RULES)
+def _open_tails() -> dict[EntityType, lrx.Pattern]:
+    """Per entity, the open tail (partial matching) of all its rules at once. Compiled on first
+    use, once per process. One pattern per entity, not one for every rule: the union of all of
+    them (phone numbers' optional groups beside the rest) made RE2's DFA blow up on noisy text."""
+    tails = {}
+    for entity in EntityType:
+        sources = [rule.pattern.pattern for rule in _RULES if rule.entity is entity]
+        if sources:
+            union = "|".join(f"(?:{source})" for source in sources)
+            tails[entity] = partial_regex.compile_open_tail(union, max_mem=_UNION_MAX_MEM)
+    return tails
+
+
+@functools.cache
+def _any_rule(entities: frozenset[EntityType]) -> lrx.Pattern | None:
+    """One pattern matching wherever a rule of ``entities`` matches: ``detect`` skips a text it
+    does not match with one search instead of one per rule (a stream checks every chunk)."""
+    sources = [rule.pattern.pattern for rule in _RULES if rule.entity in entities]
+    if not sources:
+        return None
+    return lrx.compile("|".join(f"(?:{source})" for source in sources), max_mem=_UNION_MAX_MEM)
 
 
 def possible_match_start(text: str, entities: Iterable[EntityType] | None = None, start: int = 0) -> int:
@@ -395,14 +422,14 @@ def possible_match_start(text: str, entities: Iterable[EntityType] | None = None
     """
     if start >= len(text):
         return len(text)
-    wanted = set(EntityType) if entities is None else set(entities)
+    wanted = frozenset(EntityType) if entities is None else frozenset(entities)
     subject = lrx.lead_subject(text)
     # Every rule's pattern consumes the character before the entity (its LEAD): search from the
     # character before `start`, or from the NUL in front of the text.
     lead = 0 if start == 0 else 1 + len(lrx.to_utf8(text[: start - 1]))
     best = len(subject)
-    for rule, tail in zip(_RULES, _open_tails()):
-        if rule.entity in wanted:
+    for entity, tail in _open_tails().items():
+        if entity in wanted:
             best = min(best, partial_regex.open_tail_start(tail, subject, lead))
     if best >= len(subject):
         return len(text)

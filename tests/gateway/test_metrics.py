@@ -245,3 +245,33 @@ def test_ready_is_503_naming_the_part_that_is_down(probe_gateway):
     stage.set_down.remote(False).result()
     time.sleep(1.5)
     assert httpx.get(url + "/ready", timeout=10).status_code == 200
+
+
+def test_every_response_carries_nosniff_and_no_store(gateway_url):
+    """Answers, streams, refusals and errors are never sniffed as another type (a model's text
+    is not HTML) nor kept by a cache in between; the chat page's files keep their own policy."""
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=gateway_url, timeout=30) as http:
+        responses = [
+            http.post(CHAT, headers=auth, json={"model": "scripted", "messages": [{"role": "user", "content": "hi"}]}),
+            http.post(
+                CHAT,
+                headers=auth,
+                json={"model": "scripted", "stream": True, "messages": [{"role": "user", "content": "hi"}]},
+            ),
+            http.post(
+                CHAT,
+                headers=auth,
+                json={"model": "scripted-guarded", "messages": [{"role": "user", "content": f"My card is {CARD}"}]},
+            ),
+            http.get("/v1/models"),  # no key: 401
+            http.get("/v1/nowhere", headers=auth),  # 404
+            http.get("/health"),
+        ]
+        page = http.get("/chat")
+    assert [r.status_code for r in responses] == [200, 200, 400, 401, 404, 200]
+    for r in responses:
+        assert r.headers["x-content-type-options"] == "nosniff", r.request.url
+        assert r.headers["cache-control"] == "no-store", r.request.url
+    assert page.status_code == 200 and page.headers["x-content-type-options"] == "nosniff"
+    assert page.headers["cache-control"] == "no-cache"  # its own: revalidate, so a new page is picked up

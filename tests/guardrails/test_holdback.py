@@ -262,6 +262,49 @@ def test_possible_match_start_points_at_the_entity_not_its_boundary():
     assert possible_match_start("ünïcødé 4111", [EntityType.CREDIT_CARD], start=3) == len("ünïcødé ")
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_one_search_per_entity_finds_what_one_search_per_rule_finds(seed):
+    """``detect`` first asks one union of the wanted rules whether anything matches, and
+    ``possible_match_start`` searches one open tail per entity: both must answer exactly as a
+    search per rule does, for every set of entities, on prose, code and noise."""
+    from guardrails.detectors.pii import _RULES, _any_rule
+
+    rng = random.Random(seed)
+    entities = list(EntityType)
+    wanted = [frozenset(rng.sample(entities, rng.randint(1, len(entities)))) for _ in range(4)] + [frozenset(entities)]
+    tails = [partial_regex.compile_open_tail(rule.pattern.pattern) for rule in _RULES]
+    pieces = [
+        "Mail jane.roe@example.com or call +44 20 7946 0958. ",
+        "card 4111 1111 1111 1111, IBAN GB82 WEST 1234 5698 7654 32, ",
+        "key sk-abcdefghijklmnopqrstuvwx1234 ghp_",
+        "AKIA",
+        "BSN 123456782 ",
+        "DNI 12345678Z ",
+        "10.0.0.1 ",
+        "fe80::1 ",
+        "-----BEGIN PRIVATE KEY-----",
+        "eyJhbGciOi.",
+        "(415) 555-",
+        "0612",
+        "def f(x): return x @ y  # 1-2-3 ",
+    ]
+    alphabet = "ab1 @.-_+:/=()\n4é中"
+    for _ in range(60):
+        text = "".join(
+            rng.choice(pieces) if rng.random() < 0.5 else rng.choice(alphabet) for _ in range(rng.randint(1, 12))
+        )
+        for cut in sorted({rng.randint(0, len(text)) for _ in range(3)}):
+            prefix = text[:cut]
+            for want in wanted:
+                subject = lrx.lead_subject(prefix)
+                rules = [(rule, tail) for rule, tail in zip(_RULES, tails) if rule.entity in want]
+                best = min((partial_regex.open_tail_start(tail, subject, 0) for _, tail in rules), default=len(subject))
+                expected = len(prefix) if best >= len(subject) else len(subject[:best].decode("utf-8"))
+                assert possible_match_start(prefix, want) == expected, (prefix, sorted(want))
+                any_rule = any(lrx.found_in(rule.pattern, subject) for rule, _ in rules)
+                assert lrx.found_in(_any_rule(want), subject) == any_rule, (prefix, sorted(want))
+
+
 @pytest.mark.parametrize(
     "crafted",
     ["a" * 32_000, "1 " * 16_000, "-----BEGIN " * 3_000, "x@" * 16_000, "+1 (" * 8_000, "sk-" * 10_000],
