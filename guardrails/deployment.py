@@ -113,6 +113,7 @@ class Guardrails:
         denied topics on each of ``texts``; ``instructions[i]`` marks a text from an
         instruction role (heuristics instead of the injection classifier), ``documents[i]``
         a tool result or client-sent document (the injection rail's document threshold)."""
+        started = time.perf_counter()
         deadline = time.monotonic() + policy.limits.time_budget_ms / 1000
         guard = await self._guard_or_error(model_id, policy)
         if isinstance(guard, Verdict):
@@ -122,6 +123,8 @@ class Guardrails:
         if limits.blocked:
             return InputDecision(limits, list(texts))
         verdicts = await self._check_each(guard, texts, deadline, instructions=instructions, documents=documents)
+        # The whole call inside this replica: the ingress's input_rails stage minus this is Serve's hop.
+        guard.metrics.record_latency("check_input", time.perf_counter() - started)
         blocked = next((v for v in verdicts if v.blocked), None)
         if blocked is not None:
             return InputDecision(blocked, list(texts))

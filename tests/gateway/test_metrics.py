@@ -109,6 +109,7 @@ def test_series_move_for_each_request(gateway_url, engine_events):
         key("ray_gateway_guardrail_verdicts_total", rail="pii", outcome="blocked"): 1,
         key("ray_gateway_rail_latency_ms_count", rail="pii"): 2,
         key("ray_gateway_rail_latency_ms_count", rail="limits"): 2,
+        key("ray_gateway_rail_latency_ms_count", rail="check_input"): 2,
     }
     moved = wait_for_moves(before, expected)
     assert usage["completion_tokens"] == 5
