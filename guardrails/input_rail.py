@@ -18,12 +18,10 @@ from guardrails.detectors.injection import (
     InjectionClassifier,
     InjectionDetector,
     InjectionScorer,
-    heuristic_hits,
 )
 from guardrails.detectors.injection_ensemble import load_scorer
 from guardrails.detectors.limits import check_limits
 from guardrails.detectors.pii import check_pii
-from guardrails.detectors.text_fold import decoded_payloads
 from guardrails.detectors.topics import TopicMatcher
 from guardrails.metrics import RailMetrics
 from guardrails.verdict import PolicyCode, Verdict, combine
@@ -134,7 +132,7 @@ class InputGuard:
             if not instructions:
                 seen.append(self._run(detector.rail, lambda: detector.check(judged, embedding, document=document)))
             elif detector.use_heuristics:
-                seen.append(self._run(detector.rail, lambda: _heuristics_only(detector.rail, judged)))
+                seen.append(self._run(detector.rail, lambda: detector.check_heuristics(judged)))
             if seen and seen[-1].blocked:
                 return seen[-1]
         if self.topics is not None:
@@ -147,13 +145,6 @@ class InputGuard:
 
     def _run(self, rail: str, check: Callable[[], Verdict]) -> Verdict:
         return run_rail(rail, check, fail_open=self.policy.fail_open, metrics=self.metrics)
-
-
-def _heuristics_only(rail: str, text: str) -> Verdict:
-    hits = [h for t in (text, *decoded_payloads(text)) for h in heuristic_hits(t)]
-    if hits:
-        return Verdict.block(rail, PolicyCode.PROMPT_INJECTION, f"matched heuristic {hits[0]}")
-    return Verdict.allow(rail)
 
 
 def _missing_embedding() -> Verdict:

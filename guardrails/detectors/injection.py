@@ -413,7 +413,7 @@ class InjectionDetector:
         # Encoded runs (base64, hex) are folded to "[encoded]" for the scorer; what they decode
         # to, when it is text, is judged as a text of its own (text_fold.decoded_payloads), every one of them.
         payloads = decoded_payloads(text)
-        hits = [h for t in (text, *payloads) for h in heuristic_hits(t)] if self.use_heuristics else []
+        hits = self._hits(text, payloads) if self.use_heuristics else []
         score = None
         if self.scorer is not None:
             # A scorer may score documents its own way (the ensemble's document stacker).
@@ -432,3 +432,15 @@ class InjectionDetector:
                 score,
             )
         return Verdict.allow(self.rail, score)
+
+    def check_heuristics(self, text: str) -> Verdict:
+        """The phrase heuristics alone (over the text and what its encoded runs decode to): for
+        instruction roles, whose text the classifier was not trained on."""
+        hits = self._hits(text, decoded_payloads(text))
+        if hits:
+            return Verdict.block(self.rail, PolicyCode.PROMPT_INJECTION, f"matched heuristic {hits[0]}")
+        return Verdict.allow(self.rail)
+
+    @staticmethod
+    def _hits(text: str, payloads: list[str]) -> list[str]:
+        return [h for t in (text, *payloads) for h in heuristic_hits(t)]
