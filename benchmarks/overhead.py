@@ -16,18 +16,15 @@ mean gap between tokens, and the proxy's own figure (`x-gateway-overhead-ms`,
 `x-litellm-overhead-duration-ms`). It prints medians, p90 and ratios to raw vLLM, and writes
 JSON and a plot to benchmarks/results/overhead-<backend>-<time>/.
 
-With ``--backend instant`` no engine time hides the proxies' own: an instant OpenAI-compatible
-backend (benchmarks/instant_backend.py) called directly and through LiteLLM's proxy
-(``openai/`` provider), and the gateway on the tests' scripted engine (injected through
-``engine_cls``) with stages off and on (the model file's rails and retrieval). Each round sends
-one non-streamed one-token chat to each arm in turn (a new prompt every round, so no cache
-answers); then each arm alone takes ``--clients`` concurrent clients for ``--seconds``. It
-prints p50/p99 of the client-side latency, of the latency added over the direct call in the
-same round, and of the proxy's own header, and requests/s under load.
+With ``--backend instant`` no engine time hides the proxies' own (benchmarks/overhead_instant.py):
+an instant OpenAI-compatible backend called directly and through LiteLLM's proxy, and the gateway
+on the tests' scripted engine with stages off and on; non-streamed one-token chats in turn, then
+streams of ``--stream-tokens`` chunks and of one (the cost of a chunk), then requests/s under
+``--clients`` concurrent clients.
 
     python benchmarks/overhead.py                       # ~5 min on 2 cores: 40 rounds, 8 tokens
     python benchmarks/overhead.py --rounds 100 --max-tokens 16 --no-litellm
-    python benchmarks/overhead.py --backend instant     # ~4 min: 200 rounds, 32 clients x 10 s
+    python benchmarks/overhead.py --backend instant     # ~6 min: 200 rounds, 30 x 2 streams, 32 clients x 10 s
 """
 
 from __future__ import annotations
