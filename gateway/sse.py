@@ -14,7 +14,7 @@ logger = logging.getLogger(__name__)
 
 DONE = "data: [DONE]\n\n"
 _PREFIX = "data: "
-HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+HEADERS = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
 
 
 class EventStream(StreamingResponse):
