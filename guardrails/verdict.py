@@ -144,10 +144,9 @@ def policy_version(policy: Any) -> str:
 class VerdictCache:
     """Bounded LRU of verdicts by (policy version, text digest). Only verdicts a rail reached
     on its own are kept: a rail error or a budget overrun, blocked or failed open, is decided
-    again next time. The
-    guardrails replica keeps one (a long conversation pays only for its new messages), and so
-    does the ingress for retrieved passages (the same passages answer many questions: a
-    known one needs no call to the guardrails)."""
+    again next time. The guardrails replica keeps one (a long conversation pays only for its
+    new messages), and so does the ingress for retrieved passages (the same passages answer
+    many questions: a known one needs no call to the guardrails)."""
 
     def __init__(self, entries: int = 8192):
         self._entries = entries
