@@ -204,6 +204,11 @@ class OutputPolicy(StrictModel):
     # recognisable within this many characters of its start never leaks, however it is split.
     holdback_chars: PositiveInt = 64
     forbidden: list[ForbiddenPattern] = Field(default_factory=list)
+    # Images the answer points at on other hosts (Markdown `![..](https://..)`, HTML `<img src=
+    # "//..">`): a chat UI that renders the answer fetches them at once, so an instruction planted
+    # in a document can make the model leak the conversation in the image's URL with no click.
+    # redact (default) defuses the image, block ends the answer, allow lets it through.
+    external_images: RuleAction = RuleAction.REDACT
     # Longest redaction the stream may hold back before giving up and blocking instead.
     max_redact_chars: PositiveInt = 512
 

@@ -7,10 +7,10 @@ prose goes out as it arrives and only a possible match waits, e.g. the word bein
 grow into an e-mail address), a run of digits (a card number), or "Project Blue" while "Project
 Bluebird" is forbidden. The moment a possible match is ruled out, its text is released.
 
-A possible match is held at most `hold` characters (`holdback_chars`, or a check's `horizon_chars`
-if larger); past that its start is released. Every scan covers the held text plus a look-behind of
-already released text. Guarantee: a match that a check recognises within `hold` characters of its
-start is seen whole before any of its characters is released, however the text is split.
+A possible match of a check is held at most `holdback_chars`, or the check's `horizon_chars` if
+larger; past that its start is released. Every scan covers the held text plus a look-behind of
+already released text. Guarantee: a match that a check recognises within that many characters of
+its start is seen whole before any of its characters is released, however the text is split.
 
 Once a blocking match is found nothing more is released; the caller cancels generation and ends the
 stream with finish_reason "content_filter". Redactions are rewritten before release; a redaction that
@@ -94,11 +94,17 @@ class PiiOutputCheck:
 
 
 class PatternCheck:
-    """Forbidden literal strings and regular expressions from the policy, matched with RE2 (linear time)."""
+    """Forbidden literal strings and regular expressions from the policy, matched with RE2 (linear time).
 
-    name = "forbidden"
+    ``name`` names the check (in error metrics, and as the matches' label instead of "pattern
+    N"), ``replacement`` is what a redacted match becomes."""
 
-    def __init__(self, patterns: Iterable[ForbiddenPattern]) -> None:
+    def __init__(
+        self, patterns: Iterable[ForbiddenPattern], *, name: str = "forbidden", replacement: str = "[REDACTED]"
+    ) -> None:
+        self.name = name
+        self._label = None if name == "forbidden" else name
+        self._replacement = replacement
         self._compiled: list[tuple[lrx.Pattern, ForbiddenPattern]] = []
         # Per pattern: its open-tail pattern (partial matching), or its horizon when it has none.
         self._tails: list[lrx.Pattern | int] = []
@@ -116,7 +122,10 @@ class PatternCheck:
         data = lrx.to_utf8(text)
         for index, (pattern, spec) in enumerate(self._compiled):
             for start, end in lrx.finditer_plain(pattern, data):
-                matches.append(RuleMatch(start, end, f"pattern {index}", spec.action, PolicyCode.FORBIDDEN_CONTENT))
+                label = self._label or f"pattern {index}"
+                matches.append(
+                    RuleMatch(start, end, label, spec.action, PolicyCode.FORBIDDEN_CONTENT, self._replacement)
+                )
         return matches
 
     def hold_from(self, text: str, start: int = 0) -> int:
@@ -134,6 +143,28 @@ class PatternCheck:
             if found < len(data):
                 best = min(best, start + len(data[pos:found].decode("utf-8")))
         return best
+
+
+# An image on another host, up to the start of its address (and the first 128 characters of
+# it): Markdown `![alt](https://...)` or `(//...)`, and HTML `<img ... src="https://...">` or
+# `srcset`. Redacting this much is enough to defuse it: what follows is plain text that nothing
+# fetches. An alt text or attribute list over 256 characters is not recognised (the span must
+# stay short, since a possible match is held back while it is written).
+EXTERNAL_IMAGE_PATTERNS = (
+    r"!\[[^\]\n]{0,256}\]\(\s{0,16}<?\s{0,16}(?:https?:)?//[^\s)>\x22']{0,128}>?\)?",
+    r"<img\b[^>]{0,256}\bsrc(?:set)?\s{0,8}=\s{0,8}[\x22']?\s{0,8}(?:https?:)?//[^\s>\x22']{0,128}",
+)
+EXTERNAL_IMAGE_CHARS = 448  # the longest match of either pattern, with room to spare
+EXTERNAL_IMAGE_PLACEHOLDER = "[external image removed]"
+
+
+def external_image_check(action: RuleAction) -> PatternCheck:
+    """The output check for ``output.external_images`` (redact or block)."""
+    patterns = [
+        ForbiddenPattern(pattern=p, regex=True, ignore_case=True, action=action, max_match_chars=EXTERNAL_IMAGE_CHARS)
+        for p in EXTERNAL_IMAGE_PATTERNS
+    ]
+    return PatternCheck(patterns, name="external_image", replacement=EXTERNAL_IMAGE_PLACEHOLDER)
 
 
 @functools.lru_cache(maxsize=256)
@@ -191,6 +222,7 @@ class StreamGuard:
         self.checks = list(checks)
         horizon = max((c.horizon_chars for c in self.checks), default=1)
         self.hold = max(window_chars, horizon)
+        self.window_chars = window_chars
         self.lookbehind = max(horizon, 1)
         self.fail_open = fail_open
         self.max_redact_chars = max_redact_chars
@@ -221,6 +253,8 @@ class StreamGuard:
             checks.append(PiiOutputCheck(policy.pii.output))
         if policy.output.forbidden:
             checks.append(PatternCheck(policy.output.forbidden))
+        if policy.output.external_images is not RuleAction.ALLOW:
+            checks.append(external_image_check(policy.output.external_images))
         checks.extend(extra_checks)
         return cls(
             checks,
@@ -296,12 +330,14 @@ class StreamGuard:
     def _hold_point(self, text: str, off: int) -> int | Verdict:
         """Offset in `text` from which to hold back: the earliest possible match still open at the end.
 
-        A possible match that began more than `hold` characters ago, or in released text, no longer
-        holds anything back (the guarantee covers matches recognisable within `hold` characters).
-        """
-        floor = max(off, len(text) - self.hold)
+        A possible match that began more than its check's horizon (or `window_chars`) ago, or in
+        released text, no longer holds anything back (the guarantee covers matches recognisable
+        within that many characters)."""
         cut = len(text)
         for check in self.checks:
+            # Each check holds a possible match for its own horizon (or the window, if longer):
+            # a long pattern (an image's address) must not make every word wait as long.
+            floor = max(off, len(text) - max(self.window_chars, check.horizon_chars))
             hold_from = getattr(check, "hold_from", None)
             if hold_from is None:
                 cut = min(cut, floor)  # a check that cannot tell holds the whole window

