@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import re2
@@ -317,14 +317,20 @@ class StreamGuard:
             return None
         return Verdict.block(self.rail, PolicyCode.RAIL_ERROR, f"output check {check.name} failed")
 
-    def _scan(self, text: str) -> list[RuleMatch] | Verdict:
+    def _scan(self, text: str, off: int) -> list[RuleMatch] | Verdict:
+        """Every check's matches in `text`, whose first `off` characters were released. Each
+        check reads only its own look-behind (its horizon) of released text: a short check does
+        not rescan the long look-behind a long pattern needs."""
         matches: list[RuleMatch] = []
         for check in self.checks:
+            start = max(0, off - max(check.horizon_chars, 1))
             try:
-                matches.extend(check.scan(text))
+                found = check.scan(text[start:])
             except Exception as exc:
                 if (verdict := self._failed(check, exc)) is not None:
                     return verdict
+                continue
+            matches += [replace(m, start=m.start + start, end=m.end + start) for m in found] if start else found
         return matches
 
     def _hold_point(self, text: str, off: int) -> int | Verdict:
@@ -353,7 +359,7 @@ class StreamGuard:
     def _process(self, final: bool) -> StreamStep:
         text = self._tail + self._held
         off = len(self._tail)
-        scanned = self._scan(text)
+        scanned = self._scan(text, off)
         if isinstance(scanned, Verdict):
             return self._block(scanned)
         # Matches wholly inside the look-behind were handled when that text was released.
