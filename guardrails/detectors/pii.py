@@ -287,7 +287,9 @@ _RULES: tuple[_Rule, ...] = (
     ),
     _Rule(
         EntityType.CREDIT_CARD,
-        _rx(f"[^{_D}.-]", r"\p{Nd}(?:[ -]?\p{Nd}){12,18}", r"(?:\z|[^\p{Nd}.-]|\.(?:\z|\P{Nd}))"),
+        # Not glued to Latin letters: digits inside a hex run (a hash, hex-encoded text) or an
+        # identifier are not a card; CJK text, which writes numbers between its letters, is.
+        _rx(f"[^{_D}A-Za-z.-]", r"\p{Nd}(?:[ -]?\p{Nd}){12,18}", r"(?:\z|[^\p{Nd}A-Za-z.-]|\.(?:\z|\P{Nd}))"),
         validate=_card_valid,
         strip=" -",
     ),

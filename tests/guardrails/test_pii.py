@@ -256,8 +256,12 @@ def test_encoded_looking_words_and_hashes_are_not_pii():
         "ThisIsAVeryLongCamelCaseIdentifierName returns a value",
         "sha256 9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08",
         "order 123456789012345678901234 shipped",
+        # Hex of ASCII text is mostly digits: a Luhn-valid run of 16 between two hex letters.
+        "blob e41111111111111111f0 and id a4111111111111111b",
     ):
         assert check_pii(text, ACTIONS).allowed, text
+    # A card written between CJK letters, as those languages write numbers, is still a card.
+    assert check_pii("カード番号4111111111111111です", ACTIONS).blocked
 
 
 # --- RE2 boundaries: lookbehind/lookahead emulation keeps the spans of the `re` patterns ----------
