@@ -272,6 +272,9 @@ def summarise_streams(results: dict[str, dict[int, list[dict]]], tokens: int, ow
 
 
 def stream_table(figures: dict, rounds: int, tokens: int) -> str:
+    def num(v: float | None, width: int, digits: int = 2) -> str:
+        return f"{v:{width}.{digits}f}" if v is not None else f"{'-':>{width}}"
+
     lines = [
         f"streams: {rounds} rounds per arm of one {tokens}-chunk and one 1-chunk streamed chat; p50 ms",
         f"{'arm':<18} {'ok':>4} {'err':>4} {'chunks':>6} | {'total':>8} {'1 chunk':>8} | "
@@ -279,10 +282,6 @@ def stream_table(figures: dict, rounds: int, tokens: int) -> str:
     ]
     lines.append("-" * len(lines[1]))
     for name, f in figures.items():
-
-        def num(v, width, digits=2):
-            return f"{v:{width}.{digits}f}" if v is not None else f"{'-':>{width}}"
-
         lines.append(
             f"{name:<18} {f['ok']:>4} {f['errors']:>4} {num(f['chunks_p50'], 6, 0)} | "
             f"{num(f['total_ms']['p50'], 8, 1)} {num(f['one_chunk_ms']['p50'], 8, 1)} | "
