@@ -147,14 +147,17 @@ class PatternCheck:
 
 # An image on another host, up to the start of its address (and the first 128 characters of
 # it): Markdown `![alt](https://...)` or `(//...)`, and HTML `<img ... src="https://...">` or
-# `srcset`. Redacting this much is enough to defuse it: what follows is plain text that nothing
-# fetches. An alt text or attribute list over 256 characters is not recognised (the span must
-# stay short, since a possible match is held back while it is written).
+# `srcset`. A reference-style image, `![alt][ref]` or `![alt][]`, is defused whatever its
+# target: the address stands elsewhere in the answer, possibly still to come. Redacting this
+# much is enough: what follows is plain text that nothing fetches. Not recognised: an alt text
+# or attribute list over 256 characters (the span must stay short, since a possible match is
+# held back while it is written), and the shortcut form `![ref]`.
 EXTERNAL_IMAGE_PATTERNS = (
     r"!\[[^\]\n]{0,256}\]\(\s{0,16}<?\s{0,16}(?:https?:)?//[^\s)>\x22']{0,128}>?\)?",
     r"<img\b[^>]{0,256}\bsrc(?:set)?\s{0,8}=\s{0,8}[\x22']?\s{0,8}(?:https?:)?//[^\s>\x22']{0,128}",
+    r"!\[[^\]\n]{0,256}\]\[[^\]\n]{0,64}\]",
 )
-EXTERNAL_IMAGE_CHARS = 448  # the longest match of either pattern, with room to spare
+EXTERNAL_IMAGE_CHARS = 448  # the longest match of any of them, with room to spare
 EXTERNAL_IMAGE_PLACEHOLDER = "[external image removed]"
 
 

