@@ -161,8 +161,10 @@ EXTERNAL_IMAGE_CHARS = 448  # the longest match of any of them, with room to spa
 EXTERNAL_IMAGE_PLACEHOLDER = "[external image removed]"
 
 
+@functools.cache
 def external_image_check(action: RuleAction) -> PatternCheck:
-    """The output check for ``output.external_images`` (redact or block)."""
+    """The output check for ``output.external_images`` (redact or block). Built once per action:
+    a ``PatternCheck`` keeps no state between scans, and every stream's every field asks for it."""
     patterns = [
         ForbiddenPattern(pattern=p, regex=True, ignore_case=True, action=action, max_match_chars=EXTERNAL_IMAGE_CHARS)
         for p in EXTERNAL_IMAGE_PATTERNS
