@@ -48,6 +48,9 @@ DATA_DIR = Path(__file__).resolve().parent / "data"
 # 256 or 512 hidden units at alpha 0.1 within 0.005 of each other; alpha 1 lost 7 points.
 C_GRID = {"minilm": (1.0, 3.0), "use": (0.1,), "char": (10.0, 30.0)}
 USE_HIDDEN = 256
+# The USE network is the mean of five started from different seeds (`BaggedNetwork`): on the
+# training split's grouped cross-validation its recall at 5% FPR rose from 0.808 to 0.823.
+USE_SEEDS = 5
 RECALL_TOLERANCE = 0.03  # cross-validated recall within this of the best counts as a tie
 # MiniLM (English-only) added nothing in cross-validation once USE had its network.
 DEFAULT_COMPONENTS = ("use", "char")
@@ -123,7 +126,33 @@ def _fit(name: str, x, y, c: float):
 
     with warnings.catch_warnings():  # 300 epochs is enough here; more changed nothing measurable
         warnings.simplefilter("ignore", ConvergenceWarning)
-        return MLPClassifier(hidden_layer_sizes=(USE_HIDDEN,), alpha=c, max_iter=300, random_state=0).fit(x, y)
+        members = [
+            MLPClassifier(hidden_layer_sizes=(USE_HIDDEN,), alpha=c, max_iter=300, random_state=seed).fit(x, y)
+            for seed in range(USE_SEEDS)
+        ]
+    return BaggedNetwork(members)
+
+
+class BaggedNetwork:
+    """Networks that differ only in their random start, as one: the mean of their logits is
+    exactly a network with their hidden layers side by side and each output weight divided by
+    their number, which is what the artifact stores (served unchanged)."""
+
+    def __init__(self, members) -> None:
+        n = len(members)
+        self.coefs_ = [
+            np.concatenate([m.coefs_[0] for m in members], axis=1),
+            np.concatenate([m.coefs_[1] for m in members], axis=0) / n,
+        ]
+        self.intercepts_ = [
+            np.concatenate([m.intercepts_[0] for m in members]),
+            np.mean([m.intercepts_[1] for m in members], axis=0),
+        ]
+
+    def predict_proba(self, x) -> np.ndarray:
+        hidden = np.maximum(x @ self.coefs_[0] + self.intercepts_[0], 0.0)
+        p = 1.0 / (1.0 + np.exp(-(hidden @ self.coefs_[1] + self.intercepts_[1]).ravel()))
+        return np.stack([1 - p, p], axis=1)
 
 
 def out_of_fold(name: str, x, data: LabelledSet, folds, c: float) -> np.ndarray:

@@ -122,14 +122,15 @@ def test_disabled_policy_allows_everything():
 def test_build_injection_scorer_loads_the_shipped_artifact_by_default():
     from guardrails.detectors.injection import DEFAULT_ARTIFACT
     from guardrails.input_rail import build_injection_scorer
+    from guardrails.train_injection import USE_SEEDS
 
     assert build_injection_scorer(load_policy({"injection": {"enabled": False}}).injection) is None
     assert DEFAULT_ARTIFACT.exists(), f"no trained artifact at {DEFAULT_ARTIFACT}: run `make models`"
     scorer = build_injection_scorer(load_policy({}).injection)
-    # As trained by `make models`: USE through its hidden layer, character n-grams, and a
+    # As trained by `make train-injection`: USE through its hidden layer (five seeds' side by side), character n-grams, and a
     # stacker of its own for documents; no MiniLM component (README, Guardrails).
     assert isinstance(scorer, InjectionEnsemble) and scorer.components == ("use", "char")
-    assert scorer.use_hidden_weights.shape == (512, 256) and scorer.doc_stack_weights is not None
+    assert scorer.use_hidden_weights.shape == (512, 256 * USE_SEEDS) and scorer.doc_stack_weights is not None
     assert not scorer.uses_embedding
 
 
