@@ -33,6 +33,7 @@ from guardrails.detectors.injection_ensemble import (
     InjectionEnsemble,
     UseEncoder,
     _logit,
+    _sigmoid,
     char_vectorizer,
 )
 from guardrails.detectors.text_fold import fold
@@ -151,7 +152,7 @@ class BaggedNetwork:
 
     def predict_proba(self, x) -> np.ndarray:
         hidden = np.maximum(x @ self.coefs_[0] + self.intercepts_[0], 0.0)
-        p = 1.0 / (1.0 + np.exp(-(hidden @ self.coefs_[1] + self.intercepts_[1]).ravel()))
+        p = _sigmoid((hidden @ self.coefs_[1] + self.intercepts_[1]).ravel())
         return np.stack([1 - p, p], axis=1)
 
 
