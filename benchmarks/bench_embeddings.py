@@ -1,8 +1,10 @@
 """Embedding throughput through Ray Serve, with @serve.batch on and off, against in-process.
 
-Starts its own Ray (``num_cpus=4``, no dashboard) and two handle-only Serve apps running the
-``Embedder`` deployment: batching ON (``max_batch_size`` 32) and OFF (``max_batch_size`` 1),
-both with 2 torch threads. ``c`` concurrent callers each send one sentence per
+Starts its own Ray (``num_cpus=4``, no dashboard), with Serve configured as the gateway runs it
+(``gateway.__main__.RAY_ENV_DEFAULTS``) unless ``--serve-defaults``, and two handle-only Serve
+apps running the ``Embedder`` deployment: batching ON (``max_batch_size`` 32) and OFF
+(``max_batch_size`` 1), both with 2 torch threads (``--threads``; the gateway's own Embedder
+replica, at ``num_cpus: 0.5``, gets one: Ray sets ``OMP_NUM_THREADS=1`` in it). ``c`` concurrent callers each send one sentence per
 ``handle.embed.remote`` and await it before sending the next; sentences/s is completed calls
 over wall time. The in-process ceiling is ``SentenceEncoder.encode`` on batches of 32 in this
 process (2 threads), no Serve. Cells run in alternating order for ``--rounds`` rounds and the
@@ -14,6 +16,7 @@ the same through Prometheus as ``ray_serve_batch_*`` / ``ray_serve_actual_batch_
     python benchmarks/bench_embeddings.py               # about 2 minutes
     python benchmarks/bench_embeddings.py --seconds 2 --rounds 1   # quick look
     OMP_WAIT_POLICY=ACTIVE python benchmarks/bench_embeddings.py   # OpenMP's spinning default
+    python benchmarks/bench_embeddings.py --serve-defaults         # Serve's defaults, not the gateway's
 """
 
 from __future__ import annotations
@@ -32,6 +35,17 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# Serve as the gateway runs it (gateway.__main__: throughput-optimized, gRPC between replicas
+# and from this driver's handles), unless --serve-defaults. Serve reads these when it is
+# imported (below), so they are set before anything parses the arguments.
+if "--serve-defaults" in sys.argv:
+    os.environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] = "0"
+else:
+    from gateway.__main__ import RAY_ENV_DEFAULTS  # noqa: E402
+
+    for _key, _value in RAY_ENV_DEFAULTS.items():
+        os.environ.setdefault(_key, _value)
 
 from retrieval.config import EmbeddingModelConfig  # noqa: E402
 from retrieval.embedding_deployment import SERVE_BATCH_METRICS, Embedder  # noqa: E402
@@ -126,8 +140,8 @@ async def measure(args: argparse.Namespace) -> None:
         print(f"round {round_no + 1} in-process ceiling {ceiling[-1]:7.1f} sentences/s", flush=True)
 
     report(results, statistics.median(ceiling), args)
-    for label in handles:
-        serve.delete(f"bench-emb-{label}")
+    # On this loop: with the gateway's environment the handles' routers run on it.
+    await serve.shutdown_async()
 
 
 def report(results: dict, ceiling: float, args: argparse.Namespace) -> None:
@@ -139,7 +153,8 @@ def report(results: dict, ceiling: float, args: argparse.Namespace) -> None:
         f"Embedding throughput, sentences/s, p50 latency (median of {args.rounds} round(s) x "
         f"{args.seconds:.0f} s; "
         f"torch threads {args.threads}; batch_wait_timeout_s {args.wait}; "
-        f"OMP_WAIT_POLICY {os.environ['OMP_WAIT_POLICY']}; load average before "
+        f"OMP_WAIT_POLICY {os.environ['OMP_WAIT_POLICY']}; "
+        f"RAY_SERVE_THROUGHPUT_OPTIMIZED={os.environ.get('RAY_SERVE_THROUGHPUT_OPTIMIZED', '0')}; load average before "
         f"{args.load_before:.2f})"
     )
     header = "".join(f"{'c=' + str(c):>16s}" for c in CONCURRENCY)
@@ -187,6 +202,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2, help="torch threads, both sides")
     parser.add_argument("--wait", type=float, default=0.005, help="batch_wait_timeout_s (ON)")
+    parser.add_argument("--serve-defaults", action="store_true", help="Ray Serve's defaults, not the gateway's")
     args = parser.parse_args()
     args.load_before = os.getloadavg()[0]
 
@@ -200,7 +216,6 @@ def main() -> None:
     try:
         asyncio.run(measure(args))
     finally:
-        serve.shutdown()
         ray.shutdown()
 
 

@@ -201,6 +201,9 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=32, help="instant mode: concurrent clients for requests/s")
     parser.add_argument("--seconds", type=float, default=10, help="instant mode: per arm under load (0: skip)")
     parser.add_argument(
+        "--idle-seconds", type=float, default=20, help="instant mode: each stack's CPU at rest first (0: skip)"
+    )
+    parser.add_argument(
         "--stream-rounds",
         type=int,
         default=30,

@@ -3,7 +3,8 @@
 An instant OpenAI-compatible backend (benchmarks/instant_backend.py) is called directly and
 through LiteLLM's proxy (``openai/`` provider); the gateway runs on the tests' scripted engine
 (injected through ``engine_cls``) with stages off and on (the model file's rails and retrieval).
-Three phases, each arm called in turn and each round starting with another arm:
+First each stack's CPU at rest (``--idle-seconds``, benchmarks/cpu_meter.py), then three phases,
+each arm called in turn and each round starting with another arm:
 
 1. sequential non-streamed one-token chats (a new prompt every round, so no cache answers):
    client-side latency, the latency added over the direct call in the same round, the proxy's
@@ -11,7 +12,8 @@ Three phases, each arm called in turn and each round starting with another arm:
 2. streamed chats of ``--stream-tokens`` chunks and of one chunk: the marginal cost of a chunk
    as the client sees it ((p50 total of N chunks - p50 total of one) / (N - 1)), and the
    gateway's own relay time per chunk (``gateway_stream_overhead_per_token_ms``);
-3. each arm alone under ``--clients`` concurrent clients for ``--seconds``: requests/s.
+3. each arm alone under ``--clients`` concurrent clients for ``--seconds``: requests/s, and the CPU
+   each answered request cost, by process (what requests/s is made of on a saturated machine).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from _common import (
     timed_chat,
     timed_stream,
 )
+from cpu_meter import CpuMeter, cpu_table
 
 from gateway.__main__ import RAY_ENV_DEFAULTS
 from gateway.config import load_config
@@ -51,6 +54,8 @@ ROOT = Path(__file__).resolve().parent.parent
 METRICS_EXPORT_S = 12  # Ray's metrics export interval is 10 s
 
 
+# The servers each arm's requests pass through, by the arm name's first word.
+ARM_SERVERS = {"direct": ("backend",), "litellm": ("litellm", "backend"), "gateway": ("gateway",)}
 INSTANT_HEADERS = {"litellm": "x-litellm-overhead-duration-ms", "gateway": "x-gateway-overhead-ms"}
 
 
@@ -123,9 +128,10 @@ async def drive_instant(arms: list[Arm], rounds: int, warmup: int) -> dict[str, 
     return results
 
 
-async def requests_per_second(arm: Arm, clients: int, seconds: float) -> dict:
+async def requests_per_second(arm: Arm, clients: int, seconds: float, meter: CpuMeter | None = None) -> dict:
     """``clients`` concurrent clients, each sending one chat after another for ``seconds``
-    (after a second of warm-up): answered requests per second and the latency under load."""
+    (after a second of warm-up): answered requests per second and the latency under load, and
+    with a ``meter`` the CPU each answered request cost, by process."""
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     rows: list[dict] = []
     async with httpx.AsyncClient(base_url=arm.url, timeout=60, limits=limits) as http:
@@ -140,6 +146,8 @@ async def requests_per_second(arm: Arm, clients: int, seconds: float) -> dict:
                     rows.append(r)
 
         await asyncio.gather(*(client(c, time.perf_counter() + 1, False) for c in range(clients)))
+        if meter is not None:
+            meter.start()
         started = time.perf_counter()
         await asyncio.gather(*(client(c, started + seconds, True) for c in range(clients)))
         elapsed = time.perf_counter() - started
@@ -150,6 +158,7 @@ async def requests_per_second(arm: Arm, clients: int, seconds: float) -> dict:
         "errors": len(rows) - len(ok),
         "rps": len(ok) / elapsed,
         "total_ms": summary([r["total_ms"] for r in ok]),
+        "cpu_ms_per_request": meter.stop(len(ok)) if meter is not None else {},
     }
 
 
@@ -333,6 +342,16 @@ def run_instant(args: argparse.Namespace, out_dir: Path) -> int:
     with ExitStack() as stack:
         start_all(servers, stack)
         print(f"retrieval store for the stages-on arm: {seed_docs(arms[-1].url)}", flush=True)
+        pids = {s.name: s.proc.pid for s in servers if s.proc is not None}
+        idle = {}
+        if args.idle_seconds > 0:
+            # What each stack costs at rest: on a small machine, that is taken from every request.
+            print(f"each stack at rest for {args.idle_seconds:.0f} s", flush=True)
+            meters = {name: CpuMeter({name: pid}) for name, pid in pids.items()}
+            for meter in meters.values():
+                meter.start()
+            time.sleep(args.idle_seconds)
+            idle = {name: meter.stop(round(args.idle_seconds)) for name, meter in meters.items()}
         rounds = args.rounds or 200
         print(f"driving {len(arms)} arms x {rounds} rounds, interleaved", flush=True)
         before = gateway_stage_means()
@@ -355,17 +374,26 @@ def run_instant(args: argparse.Namespace, out_dir: Path) -> int:
         load = {}
         for arm in arms if args.seconds > 0 else ():
             print(f"{arm.name}: {args.clients} concurrent clients for {args.seconds:.0f} s", flush=True)
-            load[arm.name] = asyncio.run(requests_per_second(arm, args.clients, args.seconds))
+            # Only the processes this arm's requests pass through (the idle stack's are not its cost).
+            meter = CpuMeter({name: pid for name, pid in pids.items() if name in ARM_SERVERS[arm.name.split("-")[0]]})
+            load[arm.name] = asyncio.run(requests_per_second(arm, args.clients, args.seconds, meter))
         print("stopping the servers", flush=True)
     figures = summarise_instant(results, load)
     text = instant_table(figures, rounds, args.clients)
     print("\n" + text)
     print("\nwhere the gateway's time went in the sequential rounds (both gateway arms):\n" + stages)
+    if idle:
+        print("\nat rest, before any load (CPU ms per second, by process):")
+        print(cpu_table(idle, None, unit="CPU ms per second"))
+    if load:
+        cpu = {name: result["cpu_ms_per_request"] for name, result in load.items()}
+        print(f"\nwhere the CPU went under {args.clients} clients (user + system time / answered requests):")
+        print(cpu_table(cpu, os.cpu_count()))
     if streams is not None:
         print("\n" + stream_table(streams, args.stream_rounds, args.stream_tokens))
     meta = {"backend": "instant", "rounds": rounds, "clients": args.clients, "when": time.strftime("%F %T")}
     meta["loadavg"] = os.getloadavg()
-    payload = {**meta, "summary": figures, "streams": streams, "requests": results}
+    payload = {**meta, "summary": figures, "streams": streams, "idle_cpu_ms_per_s": idle, "requests": results}
     (out_dir / "overhead.json").write_text(json.dumps(payload, indent=1))
     plotted = instant_plot(results, figures, out_dir / "overhead.png")
     print(f"\nJSON{' and plot' if plotted else ''}: {out_dir}")

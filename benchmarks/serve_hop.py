@@ -6,6 +6,8 @@ worth of fields). Ray is started with the gateway's environment (``gateway.__mai
 ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1``, gRPC between replicas) unless ``--serve-defaults``.
 It is the floor under every stage the gateway calls through Serve (guardrails, retrieval): the
 overhead benchmark's stage latencies minus the replicas' own times, less this, is waiting for CPU.
+It also prints the CPU one call costs the caller's and the callee's processes (``time.process_time``
+in each): on a saturated machine, that is what a hop takes from requests/s.
 
     python benchmarks/serve_hop.py                   # the gateway's settings
     python benchmarks/serve_hop.py --serve-defaults  # Ray Serve's own defaults
@@ -45,18 +47,26 @@ def main() -> None:
         async def call(self, payload):
             return payload
 
+        async def cpu_s(self) -> float:
+            return time.process_time()  # every thread of the replica's process
+
     @serve.deployment
     class Caller:
         def __init__(self, noop) -> None:
             self._noop = noop
 
-        async def run(self, calls: int, payload) -> list[float]:
+        async def run(self, calls: int, payload) -> tuple[list[float], float, float]:
+            """Each call's latency (ms), and the CPU per call (ms) of this replica and the callee's."""
             times = []
+            callee = await self._noop.cpu_s.remote()
+            cpu = time.process_time()
             for _ in range(calls):
                 started = time.perf_counter()
                 await self._noop.call.remote(payload)
                 times.append((time.perf_counter() - started) * 1000)
-            return times
+            cpu = time.process_time() - cpu
+            callee = await self._noop.cpu_s.remote() - callee
+            return times, cpu * 1000 / calls, callee * 1000 / calls
 
     payloads = {
         "one character": "x",
@@ -69,9 +79,12 @@ def main() -> None:
         print(f"RAY_SERVE_THROUGHPUT_OPTIMIZED={os.environ.get('RAY_SERVE_THROUGHPUT_OPTIMIZED', '0')}")
         for label, payload in payloads.items():
             await handle.run.remote(20, payload)  # warm-up
-            times = await handle.run.remote(args.calls, payload)
+            times, caller_cpu, callee_cpu = await handle.run.remote(args.calls, payload)
             q = statistics.quantiles(times, n=100)
-            print(f"{label:>18}: p50 {statistics.median(times):.2f} ms  p90 {q[89]:.2f}  p99 {q[98]:.2f}")
+            print(
+                f"{label:>18}: p50 {statistics.median(times):.2f} ms  p90 {q[89]:.2f}  p99 {q[98]:.2f}"
+                f"  | CPU a call: caller {caller_cpu:.2f} ms, callee {callee_cpu:.2f} ms"
+            )
         await serve.shutdown_async()
 
     ray.init(include_dashboard=False, log_to_driver=False)
