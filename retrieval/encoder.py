@@ -290,10 +290,21 @@ def _torch_runner(model_path: Path, num_threads: int | None) -> Runner:
     return run
 
 
-def _onnx_runner(model_path: Path, num_threads: int | None, *, quantized: bool) -> Runner:
-    """The model's last hidden states with ONNX Runtime, from the export `make models` wrote."""
+def onnx_session(model: str | bytes, num_threads: int | None = None):
+    """An ONNX Runtime CPU session of a model file or serialized model. One intra-op thread
+    unless told otherwise: the engine holds the other core here, and spinning pool threads
+    would fight it (the OMP_WAIT_POLICY lesson, for ORT's own pool)."""
     import onnxruntime as ort
 
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = num_threads or 1
+    options.inter_op_num_threads = 1
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+
+
+def _onnx_runner(model_path: Path, num_threads: int | None, *, quantized: bool) -> Runner:
+    """The model's last hidden states with ONNX Runtime, from the export `make models` wrote."""
     from retrieval.onnx_export import onnx_path
 
     path = onnx_path(model_path, quantized=quantized)
@@ -301,13 +312,7 @@ def _onnx_runner(model_path: Path, num_threads: int | None, *, quantized: bool) 
         raise EmbeddingModelMissingError(
             f"no ONNX export at {path}; `make models` writes it (or: python -m retrieval.onnx_export {model_path})"
         )
-    options = ort.SessionOptions()
-    # One intra-op thread unless told otherwise: the engine holds the other core here, and
-    # spinning pool threads would fight it (the OMP_WAIT_POLICY lesson, for ORT's own pool).
-    options.intra_op_num_threads = num_threads or 1
-    options.inter_op_num_threads = 1
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    session = onnx_session(str(path), num_threads)
     names = [i.name for i in session.get_inputs()]
 
     def run(batch: Mapping[str, np.ndarray]) -> np.ndarray:

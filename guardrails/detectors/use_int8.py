@@ -53,8 +53,9 @@ class Int8Matmul:
     __array_ufunc__ = None  # ``ndarray @ self`` defers to ``__rmatmul__``
 
     def __init__(self, weights: np.ndarray, group: int | None = None) -> None:
-        import onnxruntime as ort
         from onnx import TensorProto, helper, numpy_helper
+
+        from retrieval.encoder import onnx_session
 
         k, n = weights.shape
         if k % _BLOCK:
@@ -94,12 +95,7 @@ class Int8Matmul:
         model = helper.make_model(
             graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
         )
-        options = ort.SessionOptions()
-        # One thread, no spinning: the replica's other work and the engine share the cores.
-        options.intra_op_num_threads = 1
-        options.inter_op_num_threads = 1
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self._session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        self._session = onnx_session(model.SerializeToString())  # one thread, no spinning
         self.shape = (k, n)
 
     def __rmatmul__(self, a: np.ndarray) -> np.ndarray:
