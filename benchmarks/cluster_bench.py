@@ -120,6 +120,7 @@ class Bench:
         gw.update(host="127.0.0.1", port=self.port, models=["model.yaml"], models_dir=self.models_dir)
         for section in ("embedding", "guardrails", "retrieval"):
             gw[section] = dict(gw.get(section) or {})
+        gw["guardrails"]["placement"] = "deployment"  # a stage of its own, placed on a node below
         gw["retrieval"]["storage_dir"] = str(self.out / "retrieval")
         gw["limits"] = {**(gw.get("limits") or {}), "budget_file": str(self.out / "budgets.json")}
         gw["ingress"] = {**(gw.get("ingress") or {}), "resources": {"head": ON}}

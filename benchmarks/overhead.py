@@ -25,6 +25,7 @@ streams of ``--stream-tokens`` chunks and of one (the cost of a chunk), then req
     python benchmarks/overhead.py                       # ~5 min on 2 cores: 40 rounds, 8 tokens
     python benchmarks/overhead.py --rounds 100 --max-tokens 16 --no-litellm
     python benchmarks/overhead.py --backend instant     # ~6 min: 200 rounds, 30 x 2 streams, 32 clients x 10 s
+    python benchmarks/overhead.py --backend instant --guardrails-placement deployment   # the rails as their own deployment
 """
 
 from __future__ import annotations
@@ -66,12 +67,15 @@ from gateway.__main__ import RAY_ENV_DEFAULTS  # noqa: E402
 from gateway.config import load_config  # noqa: E402
 
 
-def gateway_config(config_path: Path, out_dir: Path) -> tuple[Path, str, str]:
+def gateway_config(config_path: Path, out_dir: Path, placement: str | None = None) -> tuple[Path, str, str]:
     """A gateway config serving the config's first model twice: its file as it is (rails on) and
-    a copy without guardrails and retrieval under another id. Storage goes to ``out_dir``."""
+    a copy without guardrails and retrieval under another id. Storage goes to ``out_dir``.
+    ``placement``: where the rails run (``guardrails.placement``), if not the config's."""
     config = load_config(config_path)
     path = without_stages(config_path, out_dir)
     gateway = yaml.safe_load(path.read_text())
+    if placement:
+        gateway["guardrails"] = {**gateway.get("guardrails", {}), "placement": placement}
     bare_file = Path(gateway["models"][0])
     bare = yaml.safe_load(bare_file.read_text())
     on_id, off_id = bare["model_id"], bare["model_id"] + "-rails-off"
@@ -210,6 +214,11 @@ def main() -> int:
         help="instant mode: streamed chats per arm for the per-chunk cost (0: skip)",
     )
     parser.add_argument("--stream-tokens", type=int, default=64, help="instant mode: chunks per streamed chat")
+    parser.add_argument(
+        "--guardrails-placement",
+        choices=("ingress", "deployment"),
+        help="where the gateway's rails run (default: the config's guardrails.placement)",
+    )
     parser.add_argument("--no-litellm", action="store_true", help="leave LiteLLM's proxy out")
     parser.add_argument("--no-install", action="store_true", help="use LiteLLM only if its virtualenv exists")
     args = parser.parse_args()
@@ -221,7 +230,7 @@ def main() -> int:
 
 def run_vllm(args: argparse.Namespace, out_dir: Path) -> int:
     args.rounds = args.rounds or 40
-    config_path, on_id, off_id = gateway_config(Path(args.config), out_dir)
+    config_path, on_id, off_id = gateway_config(Path(args.config), out_dir, args.guardrails_placement)
     config = load_config(config_path)
     model = config.models[0]
     folder = model.source.resolve(config.models_dir)

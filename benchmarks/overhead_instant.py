@@ -59,10 +59,15 @@ ARM_SERVERS = {"direct": ("backend",), "litellm": ("litellm", "backend"), "gatew
 INSTANT_HEADERS = {"litellm": "x-litellm-overhead-duration-ms", "gateway": "x-gateway-overhead-ms"}
 
 
-def instant_gateway_config(config_path: Path, out_dir: Path, port: int) -> tuple[Path, str, str]:
+def instant_gateway_config(
+    config_path: Path, out_dir: Path, port: int, placement: str | None = None
+) -> tuple[Path, str, str]:
     """The gateway config with two scripted-engine models: one without stages and one with the
-    first model's guardrails and retrieval sections (input and output rails, retrieval)."""
+    first model's guardrails and retrieval sections (input and output rails, retrieval).
+    ``placement``: where the rails run (``guardrails.placement``), if not the config's."""
     gateway = yaml.safe_load(config_path.read_text())
+    if placement:
+        gateway["guardrails"] = {**gateway.get("guardrails", {}), "placement": placement}
     real = yaml.safe_load((config_path.parent / gateway["models"][0]).read_text())
     files, ids = [], ("instant-stages-off", "instant-stages-on")
     for model_id in ids:
@@ -313,7 +318,9 @@ def own_per_chunk(before: dict, after: dict, models: dict[str, str]) -> dict[str
 
 def run_instant(args: argparse.Namespace, out_dir: Path) -> int:
     backend_port, gw_port, lite_port = free_port(), free_port(), free_port()
-    config_path, off_id, on_id = instant_gateway_config(Path(args.config), out_dir, gw_port)
+    config_path, off_id, on_id = instant_gateway_config(Path(args.config), out_dir, gw_port, args.guardrails_placement)
+    placement = load_config(config_path).gateway.guardrails.placement
+    print(f"the gateway's rails run in: {placement} (guardrails.placement)", flush=True)
     script = str(ROOT / "benchmarks" / "instant_backend.py")
     env = {**os.environ, **RAY_ENV_DEFAULTS}
     servers = [
@@ -391,7 +398,13 @@ def run_instant(args: argparse.Namespace, out_dir: Path) -> int:
         print(cpu_table(cpu, os.cpu_count()))
     if streams is not None:
         print("\n" + stream_table(streams, args.stream_rounds, args.stream_tokens))
-    meta = {"backend": "instant", "rounds": rounds, "clients": args.clients, "when": time.strftime("%F %T")}
+    meta = {
+        "backend": "instant",
+        "rounds": rounds,
+        "clients": args.clients,
+        "guardrails_placement": placement,
+        "when": time.strftime("%F %T"),
+    }
     meta["loadavg"] = os.getloadavg()
     payload = {**meta, "summary": figures, "streams": streams, "idle_cpu_ms_per_s": idle, "requests": results}
     (out_dir / "overhead.json").write_text(json.dumps(payload, indent=1))

@@ -14,6 +14,7 @@ from engines.config import ConfigError, format_validation_error
 from gateway.config import GatewayConfig, LoadedConfig
 from gateway.ingress import Gateway
 from gateway.limiter import Limiter
+from gateway.local_stage import LocalStage
 from guardrails.deployment import Guardrails
 from retrieval.config import EmbeddingModelConfig, RetrievalConfig
 from retrieval.embedding_deployment import OMP_ENV, Embedder
@@ -75,12 +76,16 @@ def build_gateway(config: LoadedConfig, user_config: dict[str, Any] | None = Non
             if gw.guardrails.embedding == "local"
             else None
         )
-        guard = Guardrails.options(
-            **_scaling(gw.guardrails),
-            max_queued_requests=gw.guardrails.max_queued_requests,
-            backpressure_config=backpressure,
-            ray_actor_options=_actor(gw.guardrails, runtime_env={"env_vars": OMP_ENV}),
-        ).bind(embedder, str(classifier), local_encoder)
+        if gw.guardrails.placement == "ingress":
+            # Built in each ingress replica (gateway.local_stage), called like the handle.
+            guard = LocalStage(Guardrails.func_or_class, None, str(classifier), local_encoder)
+        else:
+            guard = Guardrails.options(
+                **_scaling(gw.guardrails),
+                max_queued_requests=gw.guardrails.max_queued_requests,
+                backpressure_config=backpressure,
+                ray_actor_options=_actor(gw.guardrails, runtime_env={"env_vars": OMP_ENV}),
+            ).bind(embedder, str(classifier), local_encoder)
     # --- per-key limits: one shared Limiter for every ingress replica (gateway/limiter.py).
     # Always bound (a keys-file override can turn limits on while serving); idle it costs nothing.
     limiter = Limiter.options(ray_actor_options={"num_cpus": gw.limits.num_cpus}).bind(
@@ -97,7 +102,10 @@ def build_gateway(config: LoadedConfig, user_config: dict[str, Any] | None = Non
         # Past this, Serve's proxy answers 503 + Retry-After itself (a plain-text body).
         max_queued_requests=ingress.max_queued_requests,
         backpressure_config=backpressure,
-        ray_actor_options=_actor(ingress),
+        # The rails' encoders, when they run here, keep their threads from spinning (OMP_ENV).
+        ray_actor_options=_actor(ingress, runtime_env={"env_vars": OMP_ENV})
+        if isinstance(guard, LocalStage)
+        else _actor(ingress),
         **options,
     ).bind(
         settings=gw,

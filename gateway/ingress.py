@@ -27,6 +27,7 @@ from gateway.engine_client import EngineClient
 from gateway.errors import JSONBytesResponse, bad_request, model_not_found
 from gateway.http import app
 from gateway.limits import RequestLimits, meter_of
+from gateway.local_stage import LocalStage, started
 from gateway.model_file import ModelPolicy
 from gateway.output_stage import OutputRail, guard_response, refuse_unguardable
 from gateway.policies import ModelRoute, Routes, build_routes
@@ -53,7 +54,7 @@ class Gateway(RetrievalRoutes, ResponsesRoutes):
     def __init__(
         self,
         settings: GatewayConfig,
-        guard: DeploymentHandle | None = None,
+        guard: DeploymentHandle | LocalStage | None = None,
         retriever: DeploymentHandle | None = None,
         embedder: DeploymentHandle | None = None,
         keys_file: str | None = None,
@@ -75,7 +76,8 @@ class Gateway(RetrievalRoutes, ResponsesRoutes):
         self._responses = ResponseStore(Path(responses_dir)) if responses_dir else None
         # The models and their policies arrive through `reconfigure` (Serve's user_config).
         self._routes = Routes()
-        self._guard = guard
+        # The guardrails' handle, or their instance in this replica (placement: ingress).
+        self._guard = started(guard)
         self._retriever = retriever
         self._embedder = embedder
         self._embedding_model = settings.embedding.model_id if embedder is not None else None
@@ -86,7 +88,7 @@ class Gateway(RetrievalRoutes, ResponsesRoutes):
         self._readiness = metrics.Readiness(
             lambda: metrics.readiness_checks(
                 {m: r.engine for m, r in self._routes.models.items()},
-                guardrails=guard,
+                guardrails=self._guard,
                 retrieval=retriever,
                 embeddings=embedder,
             )
