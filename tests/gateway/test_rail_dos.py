@@ -40,6 +40,13 @@ def _while_polling_health(gateway_url: str, work):
 
 
 def test_crafted_input_is_checked_in_bounded_time(gateway_url, http):
+    assert_crafted_input_is_checked_in_bounded_time(gateway_url, http)
+
+
+def assert_crafted_input_is_checked_in_bounded_time(gateway_url: str, http: httpx.Client) -> None:
+    """Each payload through the guarded model's input rails (``http``: a client with a key, based
+    at ``gateway_url``), while /health is polled."""
+
     def send_all():
         out = {}
         for name, text in PAYLOADS.items():
