@@ -112,6 +112,9 @@ class Stage:
         self.finished += 1
         return x * 2
 
+    async def fail(self) -> None:
+        raise ValueError("a rail broke")
+
 
 def test_a_local_stage_travels_as_its_class_and_cancels_like_a_handle():
     from gateway.local_stage import LocalStage, started
@@ -130,6 +133,10 @@ def test_a_local_stage_travels_as_its_class_and_cancels_like_a_handle():
         with pytest.raises(asyncio.CancelledError):
             await call
         await asyncio.sleep(0.1)
+        # A stage's exception reaches the awaiting caller, as through a handle: the ingress
+        # then fails closed (chat_stages.input_rails) instead of passing the request on.
+        with pytest.raises(ValueError, match="a rail broke"):
+            await local.fail.remote()
         return answer, local._instance.finished
 
     assert asyncio.run(run()) == (42, 1)  # the cancelled call never finished
