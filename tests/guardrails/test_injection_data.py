@@ -29,3 +29,21 @@ def test_no_group_or_text_leaks_between_splits():
     train, test = rows("train"), rows("eval")
     assert not {r["group"] for r in train} & {r["group"] for r in test}
     assert not {r["text"] for r in train} & {r["text"] for r in test}
+
+
+def test_rule_template_experiment_builds_without_leaks():
+    """`--rule-templates` (guardrails/data/README.md): benign templates, attacks carrying one
+    planted payload each, the rule-shaped turns, and no group in both splits."""
+    from guardrails.build_injection_data import _parts, _rule_templates
+
+    built = list(_rule_templates())
+    by_split = {s: {r.group for s2, r in built if s2 == s} for s in ("train", "eval")}
+    assert by_split["train"] and by_split["eval"] and not by_split["train"] & by_split["eval"]
+    payloads = {p for lines in _parts("payloads", "payloads.txt").values() for p in lines}
+    attacks = [r for _, r in built if r.source == "rule_template_attack"]
+    benign = [r for _, r in built if r.source == "rule_template"]
+    assert len(attacks) == len(payloads) and len(benign) > 300
+    assert all(sum(p in r.text for p in payloads) >= 1 for r in attacks)
+    assert not any(p in r.text for r in benign for p in payloads)
+    sources = {r.source for _, r in built}
+    assert {"rule_turn_benign", "rule_turn_attack"} <= sources
