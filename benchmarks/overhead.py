@@ -26,6 +26,7 @@ streams of ``--stream-tokens`` chunks and of one (the cost of a chunk), then req
     python benchmarks/overhead.py --rounds 100 --max-tokens 16 --no-litellm
     python benchmarks/overhead.py --backend instant     # ~6 min: 200 rounds, 30 x 2 streams, 32 clients x 10 s
     python benchmarks/overhead.py --backend instant --guardrails-placement deployment   # the rails as their own deployment
+    python benchmarks/overhead.py --backend instant --search-placement ingress   # chat searches in the ingress
 """
 
 from __future__ import annotations
@@ -61,21 +62,20 @@ from _common import (  # noqa: E402
     timed_stream,
 )
 from bench_serving import VLLM_CLI, engine_flags, without_stages  # noqa: E402
-from overhead_instant import run_instant  # noqa: E402
+from overhead_instant import place_stages, run_instant  # noqa: E402
 
 from gateway.__main__ import RAY_ENV_DEFAULTS  # noqa: E402
 from gateway.config import load_config  # noqa: E402
 
 
-def gateway_config(config_path: Path, out_dir: Path, placement: str | None = None) -> tuple[Path, str, str]:
+def gateway_config(config_path: Path, out_dir: Path, args: argparse.Namespace) -> tuple[Path, str, str]:
     """A gateway config serving the config's first model twice: its file as it is (rails on) and
-    a copy without guardrails and retrieval under another id. Storage goes to ``out_dir``.
-    ``placement``: where the rails run (``guardrails.placement``), if not the config's."""
+    a copy without guardrails and retrieval under another id. Storage goes to ``out_dir``; the
+    stages are placed as ``args`` say (``place_stages``)."""
     config = load_config(config_path)
     path = without_stages(config_path, out_dir)
     gateway = yaml.safe_load(path.read_text())
-    if placement:
-        gateway["guardrails"] = {**gateway.get("guardrails", {}), "placement": placement}
+    place_stages(gateway, args)
     bare_file = Path(gateway["models"][0])
     bare = yaml.safe_load(bare_file.read_text())
     on_id, off_id = bare["model_id"], bare["model_id"] + "-rails-off"
@@ -219,6 +219,11 @@ def main() -> int:
         choices=("ingress", "deployment"),
         help="where the gateway's rails run (default: the config's guardrails.placement)",
     )
+    parser.add_argument(
+        "--search-placement",
+        choices=("ingress", "deployment"),
+        help="where the chat path's searches run (default: the config's retrieval.search_placement)",
+    )
     parser.add_argument("--no-litellm", action="store_true", help="leave LiteLLM's proxy out")
     parser.add_argument("--no-install", action="store_true", help="use LiteLLM only if its virtualenv exists")
     args = parser.parse_args()
@@ -230,7 +235,7 @@ def main() -> int:
 
 def run_vllm(args: argparse.Namespace, out_dir: Path) -> int:
     args.rounds = args.rounds or 40
-    config_path, on_id, off_id = gateway_config(Path(args.config), out_dir, args.guardrails_placement)
+    config_path, on_id, off_id = gateway_config(Path(args.config), out_dir, args)
     config = load_config(config_path)
     model = config.models[0]
     folder = model.source.resolve(config.models_dir)

@@ -59,15 +59,22 @@ ARM_SERVERS = {"direct": ("backend",), "litellm": ("litellm", "backend"), "gatew
 INSTANT_HEADERS = {"litellm": "x-litellm-overhead-duration-ms", "gateway": "x-gateway-overhead-ms"}
 
 
+def place_stages(gateway: dict, args: argparse.Namespace) -> None:
+    """Where the rails and the chat path's searches run, when the flags say (else the config's)."""
+    if args.guardrails_placement:
+        gateway["guardrails"] = {**gateway.get("guardrails", {}), "placement": args.guardrails_placement}
+    if args.search_placement:
+        gateway["retrieval"] = {**gateway.get("retrieval", {}), "search_placement": args.search_placement}
+
+
 def instant_gateway_config(
-    config_path: Path, out_dir: Path, port: int, placement: str | None = None
+    config_path: Path, out_dir: Path, port: int, args: argparse.Namespace
 ) -> tuple[Path, str, str]:
     """The gateway config with two scripted-engine models: one without stages and one with the
-    first model's guardrails and retrieval sections (input and output rails, retrieval).
-    ``placement``: where the rails run (``guardrails.placement``), if not the config's."""
+    first model's guardrails and retrieval sections (input and output rails, retrieval), its
+    stages placed as ``args`` say (``place_stages``)."""
     gateway = yaml.safe_load(config_path.read_text())
-    if placement:
-        gateway["guardrails"] = {**gateway.get("guardrails", {}), "placement": placement}
+    place_stages(gateway, args)
     real = yaml.safe_load((config_path.parent / gateway["models"][0]).read_text())
     files, ids = [], ("instant-stages-off", "instant-stages-on")
     for model_id in ids:
@@ -318,9 +325,11 @@ def own_per_chunk(before: dict, after: dict, models: dict[str, str]) -> dict[str
 
 def run_instant(args: argparse.Namespace, out_dir: Path) -> int:
     backend_port, gw_port, lite_port = free_port(), free_port(), free_port()
-    config_path, off_id, on_id = instant_gateway_config(Path(args.config), out_dir, gw_port, args.guardrails_placement)
-    placement = load_config(config_path).gateway.guardrails.placement
+    config_path, off_id, on_id = instant_gateway_config(Path(args.config), out_dir, gw_port, args)
+    placed = load_config(config_path).gateway
+    placement, search_placement = placed.guardrails.placement, placed.retrieval.search_placement
     print(f"the gateway's rails run in: {placement} (guardrails.placement)", flush=True)
+    print(f"the chat path's searches run in: {search_placement} (retrieval.search_placement)", flush=True)
     script = str(ROOT / "benchmarks" / "instant_backend.py")
     env = {**os.environ, **RAY_ENV_DEFAULTS}
     servers = [
@@ -403,6 +412,7 @@ def run_instant(args: argparse.Namespace, out_dir: Path) -> int:
         "rounds": rounds,
         "clients": args.clients,
         "guardrails_placement": placement,
+        "search_placement": search_placement,
         "when": time.strftime("%F %T"),
     }
     meta["loadavg"] = os.getloadavg()

@@ -33,7 +33,7 @@ def build_gateway(config: LoadedConfig, user_config: dict[str, Any] | None = Non
     """
     gw = config.gateway
     config.check_auth()
-    embedder = retriever = guard = None
+    embedder = retriever = guard = searcher = None
     # A full queue (max_queued_requests) refuses with 503 and this Retry-After, which the
     # refused handle call carries to the ingress (and Serve's proxy sends for the ingress).
     backpressure = {"status_code": 503, "retry_after_s": gw.retry_after_s}
@@ -65,6 +65,10 @@ def build_gateway(config: LoadedConfig, user_config: dict[str, Any] | None = Non
                 backpressure_config=backpressure,
                 ray_actor_options=_actor(gw.retrieval, runtime_env={"env_vars": OMP_ENV}),
             ).bind(embedder, retrieval_config)
+            if gw.retrieval.search_placement == "ingress":
+                # A read-only copy in each ingress replica for the chat path's searches; Serve
+                # hands it the Embedder's handle in place of the bound application.
+                searcher = LocalStage(Retriever.func_or_class, embedder, retrieval_config)
     if gw.guardrails.enabled:
         classifier = (
             config.resolve(gw.guardrails.classifier_path)
@@ -102,15 +106,16 @@ def build_gateway(config: LoadedConfig, user_config: dict[str, Any] | None = Non
         # Past this, Serve's proxy answers 503 + Retry-After itself (a plain-text body).
         max_queued_requests=ingress.max_queued_requests,
         backpressure_config=backpressure,
-        # The rails' encoders, when they run here, keep their threads from spinning (OMP_ENV).
+        # The stages' encoders, when they run here, keep their threads from spinning (OMP_ENV).
         ray_actor_options=_actor(ingress, runtime_env={"env_vars": OMP_ENV})
-        if isinstance(guard, LocalStage)
+        if isinstance(guard, LocalStage) or searcher is not None
         else _actor(ingress),
         **options,
     ).bind(
         settings=gw,
         guard=guard,
         retriever=retriever,
+        searcher=searcher,
         embedder=embedder,
         keys_file=str(config.keys_file) if config.keys_file else None,
         limiter=limiter,

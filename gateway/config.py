@@ -102,6 +102,19 @@ class RetrievalSettings(StrictModel):
     query_backend: Literal["onnx-int8", "onnx", "torch"] = Field("onnx-int8", description="the local encoder's runtime")
     index: IndexConfig = IndexConfig()
     chunking: ChunkingConfig = ChunkingConfig()
+    # Where a chat request's search runs (chat completions and responses; the files and vector
+    # stores API always goes to the Retriever deployment). deployment: a Serve call to it.
+    # ingress: a read-only copy of the Retriever in each ingress replica (gateway.local_stage),
+    # which opens the same storage_dir, reloads after the deployment's writes as any replica
+    # does, and embeds the query with its own encoder: no Serve hop, but each ingress replica
+    # holds the stores' indexes in memory and its node must mount storage_dir.
+    search_placement: Literal["deployment", "ingress"] = "deployment"
+
+    @model_validator(mode="after")
+    def _search_placed(self) -> RetrievalSettings:
+        if self.search_placement == "ingress" and self.query_embedding != "local":
+            raise ValueError("searches in the ingress (search_placement: ingress) need query_embedding: local")
+        return self
 
 
 class GuardrailSettings(StrictModel):

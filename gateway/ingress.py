@@ -27,7 +27,7 @@ from gateway.engine_client import EngineClient
 from gateway.errors import JSONBytesResponse, bad_request, model_not_found
 from gateway.http import app
 from gateway.limits import RequestLimits, meter_of
-from gateway.local_stage import LocalStage, started
+from gateway.local_stage import LocalStage, started, started_async
 from gateway.model_file import ModelPolicy
 from gateway.output_stage import OutputRail, guard_response, refuse_unguardable
 from gateway.policies import ModelRoute, Routes, build_routes
@@ -51,11 +51,12 @@ LEASE_MARGIN_S = 30.0  # beyond a request's stage timeouts: the answer's sending
 class Gateway(RetrievalRoutes, ResponsesRoutes):
     """OpenAI-compatible ingress in front of one ``LLMServer`` deployment per model."""
 
-    def __init__(
+    async def __init__(
         self,
         settings: GatewayConfig,
         guard: DeploymentHandle | LocalStage | None = None,
         retriever: DeploymentHandle | None = None,
+        searcher: LocalStage | None = None,
         embedder: DeploymentHandle | None = None,
         keys_file: str | None = None,
         responses_dir: str | None = None,
@@ -79,6 +80,9 @@ class Gateway(RetrievalRoutes, ResponsesRoutes):
         # The guardrails' handle, or their instance in this replica (placement: ingress).
         self._guard = started(guard)
         self._retriever = retriever
+        # The chat path's searches: the Retriever's handle, or a read-only copy of it built in
+        # this replica (retrieval.search_placement: ingress), called the same way.
+        self._searcher = await started_async(searcher) if searcher is not None else retriever
         self._embedder = embedder
         self._embedding_model = settings.embedding.model_id if embedder is not None else None
         self._output_metrics = ExportedRailMetrics()
@@ -144,7 +148,7 @@ class Gateway(RetrievalRoutes, ResponsesRoutes):
         chat = parse_chat_request(data)
         wanted = chat_stages.RetrievalRequest.parse(extensions.get("retrieval"), policy.retrieval)
         search = chat_stages.PendingSearch(
-            self._retriever,
+            self._searcher,
             chat.model,
             policy.retrieval,
             wanted,

@@ -12,6 +12,7 @@ It crosses Serve's deployment arguments as the class and its arguments (picklabl
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import Generator
 from typing import Any
 
@@ -52,6 +53,17 @@ class LocalStage:
             self._instance = self._cls(*self._args, **self._kwargs)
         return self
 
+    async def start_async(self) -> LocalStage:
+        """``start`` for a class whose ``__init__`` is ``async def`` (as Serve allows), or one
+        that needs the event loop while it is built. Idempotent."""
+        if self._instance is None:
+            instance = self._cls.__new__(self._cls)
+            built = instance.__init__(*self._args, **self._kwargs)
+            if inspect.isawaitable(built):
+                await built
+            self._instance = instance
+        return self
+
     def __getattr__(self, name: str) -> _Method:
         if name.startswith("_"):
             raise AttributeError(name)
@@ -67,3 +79,8 @@ class LocalStage:
 def started(stage: Any) -> Any:
     """A ``LocalStage`` built in this process; a deployment handle (or None) as it is."""
     return stage.start() if isinstance(stage, LocalStage) else stage
+
+
+async def started_async(stage: Any) -> Any:
+    """``started`` for a stage whose class is built with ``start_async``."""
+    return await stage.start_async() if isinstance(stage, LocalStage) else stage

@@ -44,6 +44,7 @@ class ResponsesRoutes:
     _responses: ResponseStore | None
     _guard: DeploymentHandle | None
     _retriever: DeploymentHandle | None
+    _searcher: Any  # the chat path's searches: the Retriever's handle or its copy in the ingress
     _settings: Any
     _output_metrics: Any
 
@@ -194,7 +195,7 @@ class ResponsesRoutes:
         else:
             wanted = chat_stages.RetrievalRequest.parse(extensions.get("retrieval"), policy.retrieval)
         search = chat_stages.PendingSearch(
-            self._retriever,
+            self._searcher,
             data["model"],
             policy.retrieval,
             wanted,
