@@ -68,7 +68,7 @@ def build_gateway(config: LoadedConfig, user_config: dict[str, Any] | None = Non
             if gw.retrieval.search_placement == "ingress":
                 # A read-only copy in each ingress replica for the chat path's searches; Serve
                 # hands it the Embedder's handle in place of the bound application.
-                searcher = LocalStage(Retriever.func_or_class, embedder, retrieval_config)
+                searcher = LocalStage("retrieval.service:Retriever", embedder, retrieval_config)
     if gw.guardrails.enabled:
         classifier = (
             config.resolve(gw.guardrails.classifier_path)
@@ -82,7 +82,7 @@ def build_gateway(config: LoadedConfig, user_config: dict[str, Any] | None = Non
         )
         if gw.guardrails.placement == "ingress":
             # Built in each ingress replica (gateway.local_stage), called like the handle.
-            guard = LocalStage(Guardrails.func_or_class, None, str(classifier), local_encoder)
+            guard = LocalStage("guardrails.deployment:Guardrails", None, str(classifier), local_encoder)
         else:
             guard = Guardrails.options(
                 **_scaling(gw.guardrails),

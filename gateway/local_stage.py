@@ -5,13 +5,18 @@ cancelled). ``LocalStage`` gives the same three operations for an instance of th
 class, built in the ingress replica: a Serve hop fewer (a hop costs ~1.6 ms of CPU on both
 sides, ``benchmarks/serve_hop.py``), at the price of the stage scaling with the ingress.
 
-It crosses Serve's deployment arguments as the class and its arguments (picklable, small);
-``start()`` builds the instance in the replica that received it.
+It crosses Serve's deployment arguments as the class's import path and its arguments
+(picklable, small); ``start()`` builds the instance in the replica that received it. A path,
+not the class: a Serve deployment's module name holds the ``Deployment``, not the class, so
+cloudpickle would pickle the class by value, and unpickling it in the same process (Serve's
+build does, to swap bound applications for handles) overwrites the class's methods with copies
+bound to a private globals dict.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib
 import inspect
 from collections.abc import Generator
 from typing import Any
@@ -41,23 +46,25 @@ class _Method:
 
 class LocalStage:
     """``cls(*args, **kwargs)`` in this process, with a handle's calling convention. Only the
-    stage's async methods are callable (all a handle's callers use)."""
+    stage's async methods are callable (all a handle's callers use). ``cls``: the class, or
+    ``"module:name"`` of it or of its Serve deployment (what a deployment's stage must use)."""
 
-    def __init__(self, cls: type, *args: Any, **kwargs: Any) -> None:
-        self._cls, self._args, self._kwargs = cls, args, kwargs
+    def __init__(self, cls: type | str, *args: Any, **kwargs: Any) -> None:
+        self._target, self._args, self._kwargs = cls, args, kwargs
         self._instance: Any = None
 
     def start(self) -> LocalStage:
         """Build the instance (loads the stage's models: seconds). Idempotent."""
         if self._instance is None:
-            self._instance = self._cls(*self._args, **self._kwargs)
+            self._instance = self._class()(*self._args, **self._kwargs)
         return self
 
     async def start_async(self) -> LocalStage:
         """``start`` for a class whose ``__init__`` is ``async def`` (as Serve allows), or one
         that needs the event loop while it is built. Idempotent."""
         if self._instance is None:
-            instance = self._cls.__new__(self._cls)
+            cls = self._class()
+            instance = cls.__new__(cls)
             built = instance.__init__(*self._args, **self._kwargs)
             if inspect.isawaitable(built):
                 await built
@@ -68,12 +75,20 @@ class LocalStage:
         if name.startswith("_"):
             raise AttributeError(name)
         if self._instance is None:
-            raise RuntimeError(f"{self._cls.__name__} is not started in this process")
+            raise RuntimeError(f"{self._target!r} is not started in this process")
         return _Method(self._instance, name)
 
     def __getstate__(self) -> dict[str, Any]:
         # The class and its arguments travel; an instance (models, threads) never does.
-        return {"_cls": self._cls, "_args": self._args, "_kwargs": self._kwargs, "_instance": None}
+        return {"_target": self._target, "_args": self._args, "_kwargs": self._kwargs, "_instance": None}
+
+    def _class(self) -> type:
+        """The class: given, or ``module:name`` imported here (a Serve deployment's class)."""
+        if not isinstance(self._target, str):
+            return self._target
+        module, _, name = self._target.partition(":")
+        found = getattr(importlib.import_module(module), name)
+        return getattr(found, "func_or_class", found)
 
 
 def started(stage: Any) -> Any:

@@ -401,7 +401,6 @@ class Retriever:
         hits = await asyncio.to_thread(run)
         return oai.search_results_page(queries, hits)
 
-    @_current
     async def retrieve(
         self,
         policy_collections: list[str],
@@ -432,18 +431,32 @@ class Retriever:
         """
         owner = owner_of(caller)
         check_retrieval_args(query, top_k)
-        policy = policy_stores(self._stores, string_list(policy_collections, "policy_collections"))
-        if requested is None:
-            chosen = list(policy.values())
-        else:
-            chosen = [
-                requested_store(self._stores, entry, owner, policy) for entry in string_list(requested, "collections")
-            ]
-        found: dict[str, Collection] = {c.id: c for c in chosen}
-        colls = [c for c in found.values() if c.stats().chunks]
-        if not colls:
-            return []
-        (vector,) = await self._queries.embed([query])
+        # The query's vector needs nothing from storage: when this replica's last view holds
+        # anything to search, its encoding starts now, beside the catch-up with other replicas'
+        # writes (a thread hop), as ``_current`` does for the other methods. What is searched
+        # is decided on the caught-up view.
+        early = asyncio.ensure_future(self._queries.embed([query])) if self._stores.holds_chunks() else None
+        try:
+            await asyncio.to_thread(self._shared.sync)
+            policy = policy_stores(self._stores, string_list(policy_collections, "policy_collections"))
+            if requested is None:
+                chosen = list(policy.values())
+            else:
+                chosen = [
+                    requested_store(self._stores, entry, owner, policy)
+                    for entry in string_list(requested, "collections")
+                ]
+            found: dict[str, Collection] = {c.id: c for c in chosen}
+            colls = [c for c in found.values() if c.stats().chunks]
+            if not colls:
+                return []
+            (vector,) = await (early if early is not None else self._queries.embed([query]))
+        finally:
+            if early is not None:
+                if not early.done():
+                    early.cancel()
+                elif not early.cancelled():
+                    early.exception()  # retrieved: no "exception never retrieved" warning
 
         def run() -> list[Passage]:
             passages = [

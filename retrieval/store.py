@@ -166,6 +166,12 @@ class CollectionStore:
             colls = [c for c in self._collections.values() if owner is None or c.owner == owner]
         return sorted((c.info() for c in colls), key=lambda i: (i.created_at, i.id))
 
+    def holds_chunks(self) -> bool:
+        """Whether any collection has a chunk (in this process's view)."""
+        with self._lock:
+            colls = list(self._collections.values())
+        return any(c.stats().chunks for c in colls)
+
     def ids(self, *, owner: str | None = None) -> list[str]:
         """Ids of all collections (or ``owner``'s)."""
         with self._lock:

@@ -124,6 +124,18 @@ def test_the_copy_in_the_ingress_answers_chats_and_follows_the_deployments_write
     wait_for_retriever_calls(0, 7)
 
 
+def test_building_the_app_leaves_the_stage_classes_as_they_are(in_ingress):
+    """The stages in the ingress travel as import paths (gateway.local_stage). As class objects,
+    Serve's build pickled them by value and unpickled them in this process, which replaced their
+    methods with copies bound to a private globals dict: monkeypatching the module no longer
+    reached them (tests/retrieval/test_retrieval_tenancy.py broke after this module ran)."""
+    from guardrails import deployment
+    from retrieval import service
+
+    assert service.Retriever.func_or_class.__init__.__globals__ is service.__dict__
+    assert deployment.Guardrails.func_or_class.__init__.__globals__ is deployment.__dict__
+
+
 def test_searches_in_the_ingress_need_its_own_query_encoder():
     from pydantic import ValidationError
 

@@ -160,3 +160,15 @@ def test_file_store_round_trip(tmp_path):
     assert [x.id for x in FileStore(tmp_path / "files").list()] == [g.id]
     with pytest.raises(Exception, match="larger than"):
         files.create("big", b"x" * 101)
+
+
+def test_holds_chunks_says_whether_anything_can_be_searched(tmp_path, unit_vectors):
+    """The Retriever starts a query's encoding early only when its view holds some chunk."""
+    store = CollectionStore(tmp_path, dimension=DIM)
+    assert not store.holds_chunks()
+    coll = store.create("kb")
+    assert not store.holds_chunks()  # an empty store has nothing to search
+    coll.add_document("a", ["a0"], unit_vectors(1, DIM))
+    assert store.holds_chunks()
+    coll.delete_document("a")
+    assert not store.holds_chunks()
