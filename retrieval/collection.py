@@ -434,6 +434,10 @@ class Collection(FaissIndexMixin):
             file_counts=FileCounts(completed=len(self._docs)),
         )
 
+    def holds_chunks(self) -> bool:
+        """Whether a search could find anything: ``stats().chunks`` without summing every document."""
+        return bool(self._chunks)
+
     def stats(self) -> CollectionStats:
         with self._lock:
             return CollectionStats(

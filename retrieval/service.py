@@ -447,7 +447,7 @@ class Retriever:
                     for entry in string_list(requested, "collections")
                 ]
             found: dict[str, Collection] = {c.id: c for c in chosen}
-            colls = [c for c in found.values() if c.stats().chunks]
+            colls = [c for c in found.values() if c.holds_chunks()]
             if not colls:
                 return []
             (vector,) = await (early if early is not None else self._queries.embed([query]))

@@ -170,7 +170,7 @@ class CollectionStore:
         """Whether any collection has a chunk (in this process's view)."""
         with self._lock:
             colls = list(self._collections.values())
-        return any(c.stats().chunks for c in colls)
+        return any(c.holds_chunks() for c in colls)
 
     def ids(self, *, owner: str | None = None) -> list[str]:
         """Ids of all collections (or ``owner``'s)."""
