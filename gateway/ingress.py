@@ -27,7 +27,7 @@ from gateway.engine_client import EngineClient
 from gateway.errors import JSONBytesResponse, bad_request, model_not_found
 from gateway.http import app
 from gateway.limits import RequestLimits, meter_of
-from gateway.local_stage import LocalStage, started, started_async
+from gateway.local_stage import LocalStage, started
 from gateway.model_file import ModelPolicy
 from gateway.output_stage import OutputRail, guard_response, refuse_unguardable
 from gateway.policies import ModelRoute, Routes, build_routes
@@ -78,11 +78,11 @@ class Gateway(RetrievalRoutes, ResponsesRoutes):
         # The models and their policies arrive through `reconfigure` (Serve's user_config).
         self._routes = Routes()
         # The guardrails' handle, or their instance in this replica (placement: ingress).
-        self._guard = started(guard)
+        self._guard = await started(guard)
         self._retriever = retriever
         # The chat path's searches: the Retriever's handle, or a read-only copy of it built in
         # this replica (retrieval.search_placement: ingress), called the same way.
-        self._searcher = await started_async(searcher) if searcher is not None else retriever
+        self._searcher = await started(searcher) if searcher is not None else retriever
         self._embedder = embedder
         self._embedding_model = settings.embedding.model_id if embedder is not None else None
         self._output_metrics = ExportedRailMetrics()

@@ -53,15 +53,9 @@ class LocalStage:
         self._target, self._args, self._kwargs = cls, args, kwargs
         self._instance: Any = None
 
-    def start(self) -> LocalStage:
-        """Build the instance (loads the stage's models: seconds). Idempotent."""
-        if self._instance is None:
-            self._instance = self._class()(*self._args, **self._kwargs)
-        return self
-
-    async def start_async(self) -> LocalStage:
-        """``start`` for a class whose ``__init__`` is ``async def`` (as Serve allows), or one
-        that needs the event loop while it is built. Idempotent."""
+    async def start(self) -> LocalStage:
+        """Build the instance (loads the stage's models: seconds), awaiting its ``__init__``
+        when that is ``async def`` (as Serve allows). Idempotent."""
         if self._instance is None:
             cls = self._class()
             instance = cls.__new__(cls)
@@ -79,7 +73,7 @@ class LocalStage:
         return _Method(self._instance, name)
 
     def __getstate__(self) -> dict[str, Any]:
-        # The class and its arguments travel; an instance (models, threads) never does.
+        # The import path (or class) and the arguments travel; an instance (models, threads) never does.
         return {"_target": self._target, "_args": self._args, "_kwargs": self._kwargs, "_instance": None}
 
     def _class(self) -> type:
@@ -91,11 +85,6 @@ class LocalStage:
         return getattr(found, "func_or_class", found)
 
 
-def started(stage: Any) -> Any:
+async def started(stage: Any) -> Any:
     """A ``LocalStage`` built in this process; a deployment handle (or None) as it is."""
-    return stage.start() if isinstance(stage, LocalStage) else stage
-
-
-async def started_async(stage: Any) -> Any:
-    """``started`` for a stage whose class is built with ``start_async``."""
-    return await stage.start_async() if isinstance(stage, LocalStage) else stage
+    return await stage.start() if isinstance(stage, LocalStage) else stage

@@ -122,10 +122,10 @@ def test_a_local_stage_travels_as_its_class_and_cancels_like_a_handle():
     stage = LocalStage(Stage, 0.05)
     with pytest.raises(RuntimeError):
         stage.work  # noqa: B018 - not started: no instance to call
-    assert started(None) is None
 
     async def run() -> tuple[int, int]:
-        local = started(stage)
+        assert await started(None) is None
+        local = await started(stage)
         answer = await local.work.remote(21)
         call = local.work.remote(1)
         await asyncio.sleep(0)
@@ -142,6 +142,27 @@ def test_a_local_stage_travels_as_its_class_and_cancels_like_a_handle():
     assert asyncio.run(run()) == (42, 1)  # the cancelled call never finished
     copy = pickle.loads(pickle.dumps(stage))
     assert copy._instance is None and stage._instance is not None  # the instance never travels
+
+
+class AsyncStage:
+    async def __init__(self, x: int):  # as Serve allows (the Retriever's is)
+        await asyncio.sleep(0)
+        self.x = x
+
+    async def get(self) -> int:
+        return self.x
+
+
+def test_a_local_stage_by_import_path_with_an_async_init():
+    from gateway.local_stage import LocalStage, started
+
+    stage = LocalStage(f"{__name__}:AsyncStage", 7)
+    assert "AsyncStage" in pickle.dumps(stage).decode("latin-1")  # travels as its path
+
+    async def run() -> int:
+        return await (await started(stage)).get.remote()
+
+    assert asyncio.run(run()) == 7
 
 
 def test_ingress_placement_needs_the_rails_own_encoder():
