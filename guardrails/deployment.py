@@ -88,7 +88,7 @@ class Guardrails:
         local_encoder: EmbeddingModelConfig | None = None,
     ):
         self._embeddings: TextEmbeddings = (
-            LocalEmbeddings(local_encoder) if local_encoder is not None else SharedEmbeddings(embedder)
+            LocalEmbeddings.shared(local_encoder) if local_encoder is not None else SharedEmbeddings(embedder)
         )
         self._classifier_path = classifier_path or str(DEFAULT_ARTIFACT)
         self._classifier = load_scorer(self._classifier_path)

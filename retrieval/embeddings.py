@@ -15,6 +15,7 @@ indexed always go to the embedding deployment (large batches are what it is for)
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Sequence
 from typing import Protocol
@@ -28,6 +29,8 @@ from retrieval.encoder import SentenceEncoder
 from retrieval.file_indexer import gather_responses
 
 _INLINE_TOKENIZE_CHARS = 4096
+_SHARED: dict[str, LocalEmbeddings] = {}
+_SHARED_LOCK = threading.Lock()
 
 
 class TextEmbeddings(Protocol):
@@ -45,6 +48,18 @@ class LocalEmbeddings:
     def __init__(self, config: EmbeddingModelConfig) -> None:
         self._encoder = SentenceEncoder.from_config(config)
         self._gate = EncodeGate(self._encode, limit=1, max_size=config.max_batch_size)
+
+    @classmethod
+    def shared(cls, config: EmbeddingModelConfig) -> LocalEmbeddings:
+        """This process's encoder for ``config``: one copy of the model however many stages
+        ask for it (in an ingress replica, the rails' and the search's), whose texts then
+        share its encode gate."""
+        key = config.model_dump_json()
+        with _SHARED_LOCK:
+            found = _SHARED.get(key)
+            if found is None:
+                found = _SHARED[key] = cls(config)
+            return found
 
     async def embed(self, texts: Sequence[str]) -> list[np.ndarray]:
         if not texts:

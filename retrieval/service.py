@@ -91,7 +91,7 @@ class Retriever:
         # Queries: one short text per search, where the replica's own ONNX encoder is
         # several times faster than a round trip to the Embedder and its batch wait.
         self._queries: TextEmbeddings = (
-            await asyncio.to_thread(LocalEmbeddings, config.query_encoder)
+            await asyncio.to_thread(LocalEmbeddings.shared, config.query_encoder)
             if config.query_encoder is not None
             else SharedEmbeddings(embedder)
         )

