@@ -214,21 +214,24 @@ class Guardrails:
         if not chunks:
             return
         started = time.perf_counter()
-        scorer.store_primed(chunks, np.stack(await self._use_gate(scorer).submit(chunks)))
+        vectors = self._use_gate(scorer).enqueue(chunks)
+        await asyncio.sleep(0)  # one step: the encode task hands the chunks to its thread
+        # The character model needs no encoder: it scores on this loop while USE runs in its
+        # thread (ONNX Runtime releases the GIL), off the rails' critical path.
+        scorer.prime_char(chunks)
+        scorer.store_primed(chunks, np.stack(await vectors))
         guard.metrics.record_latency("injection_encoder", time.perf_counter() - started)
 
     def _use_gate(self, scorer: InjectionEnsemble) -> EncodeGate:
         """One encode at a time per scorer, in a thread; chunks that arrive meanwhile are
-        encoded together in the next call. USE's numpy forward pass streams its 13.5 MB of
-        weights once per call, so under load most of a text's encoding cost is shared."""
+        encoded together in the next call. USE's pass streams its 3.4 MB of 8-bit weights once
+        per call, so under load much of a text's encoding cost is shared."""
         found = self._use_gates.get(id(scorer))
         if found is None or found[0] is not scorer:
 
             async def encode(chunks: list[str]) -> np.ndarray:
-                # In a worker thread: numpy releases the GIL in its matrix products, and the
+                # In a worker thread: ONNX Runtime releases the GIL for the whole pass, and the
                 # replica's event loop (which Serve's throughput mode shares) keeps serving.
-                # Inline on the loop for batches of up to 2048 characters measured no better
-                # (within the runs' noise: benchmarks/overhead.py, bench_guardrails.py).
                 return await asyncio.to_thread(scorer.use_encoder().encode, chunks)
 
             found = (scorer, EncodeGate(encode, limit=1, max_size=_USE_BATCH_CHUNKS))

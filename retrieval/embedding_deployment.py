@@ -105,10 +105,15 @@ class EncodeGate:
         self._running: set[asyncio.Task] = set()
 
     async def submit(self, items: list[QueuedInput]) -> list[np.ndarray]:
+        return await self.enqueue(items)
+
+    def enqueue(self, items: list[QueuedInput]) -> asyncio.Future:
+        """``submit`` without waiting: the future of ``items``' vectors. Their encode starts
+        at the loop's next step (or when the one running ends)."""
         future = asyncio.get_running_loop().create_future()
         self._waiting.append((items, future))
         self._start()
-        return await future
+        return future
 
     def _start(self) -> None:
         while len(self._running) < self._limit and self._waiting:

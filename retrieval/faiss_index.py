@@ -67,6 +67,14 @@ class FaissIndexMixin:
             self.index_config = IndexConfig.model_validate({**self.index_config.model_dump(), "ef_search": ef_search})
             self._inner.hnsw.efSearch = ef_search
 
+    def scan_size(self) -> int:
+        """About how many vectors one search compares the query with: all of a flat index's; an
+        HNSW walk's candidates (``ef_search`` times the graph's degree), however large it is."""
+        total = self._index.ntotal
+        if self.index_config.kind == "flat":
+            return total
+        return min(total, self.index_config.ef_search * self.index_config.hnsw_m)
+
     def _remove_from_index(self, first_chunk_id: int, chunk_count: int) -> bool:
         """Drop a deleted document's chunk ids (already out of the chunk table) from search;
         call with ``_lock`` held. True when the index itself changed."""

@@ -66,6 +66,9 @@ from retrieval.tenancy import Caller, owner_of
 
 logger = logging.getLogger(__name__)
 
+# Vectors a chat search scans at most on the event loop (flat, 2048: 0.1 ms here); more: a thread.
+_INLINE_SEARCH_VECTORS = 2048
+
 
 def _current(method):
     """Run a public method on this replica's state caught up with other replicas' writes."""
@@ -476,6 +479,10 @@ class Retriever:
             passages.sort(key=lambda p: (-p.score, p.vector_store_id, p.file_id, p.chunk_index))
             return passages[:top_k]
 
+        # A small scan (~0.1 us a vector here) costs less than the thread hop it would take
+        # (~0.3 ms, several under load): it runs on the loop. Larger ones in a thread.
+        if sum(c.scan_size() for c in colls) <= _INLINE_SEARCH_VECTORS:
+            return run()
         return await asyncio.to_thread(run)
 
     # --- helpers ------------------------------------------------------------------------

@@ -124,6 +124,8 @@ class InjectionEnsemble:
         self._use: UseEncoder | None = None
         # USE vectors computed ahead (``prime``), by chunk text, used once by ``score_input``.
         self._primed: dict[str, np.ndarray] = {}
+        # Character-model P(injection) computed ahead (``prime_char``), by chunk, used once.
+        self._primed_char: dict[str, float] = {}
         self._primed_lock = threading.Lock()
         # Raw counts: scoring divides by their norm itself (sklearn's `normalize`, with its
         # argument checks, was a third of the character model's time on a short text).
@@ -184,7 +186,7 @@ class InjectionEnsemble:
             elif name == "use":
                 columns.append(self.score_use(self._use_vectors(folded)))
             else:
-                columns.append(self.score_char(folded))
+                columns.append(self._char_scores(folded))
         return np.stack(columns, axis=1)
 
     def stack(self, scores: np.ndarray, *, document: bool = False) -> np.ndarray:
@@ -227,6 +229,24 @@ class InjectionEnsemble:
             if len(self._primed) > _PRIMED_MAX:
                 self._primed.clear()
             self._primed.update(zip(chunks, vectors))
+
+    def prime_char(self, chunks: list[str]) -> None:
+        """Score ``chunks`` (from ``prime_chunks``) with the character model now, for scoring
+        to use: the guardrails run it while USE encodes the same chunks in a thread."""
+        if self._char is None or not chunks:
+            return
+        scores = self.score_char(chunks)
+        with self._primed_lock:
+            if len(self._primed_char) > _PRIMED_MAX:
+                self._primed_char.clear()
+            self._primed_char.update(zip(chunks, scores.tolist()))
+
+    def _char_scores(self, chunks: list[str]) -> np.ndarray:
+        with self._primed_lock:
+            found = [self._primed_char.pop(c, None) for c in chunks]
+        if any(f is None for f in found):
+            return self.score_char(chunks)
+        return np.asarray(found, dtype=np.float64)
 
     def _use_vectors(self, chunks: list[str]) -> np.ndarray:
         with self._primed_lock:

@@ -212,3 +212,16 @@ def test_concurrent_adds_deletes_and_searches(kind, rng):
         t.join()
     assert errors == []
     assert coll.stats().documents == 3 * 20 and coll.stats().chunks == 3 * 20 * 3
+
+
+def test_scan_size_bounds_what_a_search_compares(unit_vectors):
+    """Retriever.retrieve searches on its event loop when the scan is small: a flat index
+    compares the query with every vector, an HNSW walk with its candidates only."""
+    flat = make_collection("flat")
+    config = IndexConfig(kind="hnsw", hnsw_m=4, ef_construction=64, ef_search=4)
+    hnsw = Collection(name="test-hnsw-narrow", dimension=DIM, index_config=config)
+    assert flat.scan_size() == hnsw.scan_size() == 0
+    fill(flat, unit_vectors)
+    fill(hnsw, unit_vectors)
+    assert flat.scan_size() == 50
+    assert hnsw.scan_size() == 16  # ef_search x hnsw_m, below the 50 vectors it holds

@@ -322,6 +322,18 @@ def test_policy_names_resolve_among_the_operators_stores(world):
     assert run(r.retrieve(["no-such-store"], None, "lava", 4, caller=BOB)) == []
 
 
+def test_a_search_too_large_for_the_loop_runs_in_a_thread_and_finds_the_same(world, monkeypatch):
+    r, run = world.r, world.run
+    query = "vacation handbook manager lava"
+    on_loop = run(r.retrieve(["docs", world.sa], None, query, 4, caller=BOB))
+    monkeypatch.setattr(service, "_INLINE_SEARCH_VECTORS", 0)
+    threads: list[Any] = []
+    to_thread = asyncio.to_thread
+    monkeypatch.setattr(service.asyncio, "to_thread", lambda f, *a: threads.append(f) or to_thread(f, *a))
+    assert run(r.retrieve(["docs", world.sa], None, query, 4, caller=BOB)) == on_loop
+    assert on_loop and len(threads) == 2  # the storage catch-up, then the search
+
+
 def test_requested_stores_are_the_callers_own_or_the_policys(world):
     r, run = world.r, world.run
     query = "lava volcano tides moon vacation handbook"
