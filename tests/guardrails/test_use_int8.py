@@ -55,6 +55,13 @@ def test_the_token_ids_are_usem3s(encoders):
         assert int8._model.token_ids(text) == float32._tokenizer.encode(text, out_type=int), text
 
 
+def test_a_lone_surrogate_is_read_as_a_replacement_character(encoders):
+    """Python text can hold one (JSON's escapes can spell it); neither tokenizer takes it."""
+    int8, _ = encoders
+    assert int8._model.token_ids("x\ud800y") == int8._model.token_ids("x\ufffdy")
+    assert int8.encode(["x\udcff"]).shape == (1, 512)
+
+
 def test_a_texts_vector_does_not_depend_on_its_batch(encoders):
     """Concurrent requests' texts are encoded together (the guardrails' encode gate): a verdict
     must not depend on them, so nothing in the pass mixes or reorders across the batch."""
