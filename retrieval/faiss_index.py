@@ -19,6 +19,8 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import faiss
@@ -74,6 +76,18 @@ class FaissIndexMixin:
         if self.index_config.kind == "flat":
             return total
         return min(total, self.index_config.ef_search * self.index_config.hnsw_m)
+
+    @contextmanager
+    def held_if_free(self) -> Iterator[bool]:
+        """Hold this index's lock if no other thread holds it (True), else nothing (False): an
+        event loop searches inline only when it need not wait, since a write (an HNSW insert, a
+        compaction) can hold the lock for seconds."""
+        held = self._lock.acquire(blocking=False)
+        try:
+            yield held
+        finally:
+            if held:
+                self._lock.release()
 
     def _remove_from_index(self, first_chunk_id: int, chunk_count: int) -> bool:
         """Drop a deleted document's chunk ids (already out of the chunk table) from search;

@@ -24,6 +24,7 @@ whoever owns them, or by name among the operator's stores only. Those lookup rul
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 from pathlib import Path
@@ -480,9 +481,12 @@ class Retriever:
             return passages[:top_k]
 
         # A small scan (~0.1 us a vector here) costs less than the thread hop it would take
-        # (~0.3 ms, several under load): it runs on the loop. Larger ones in a thread.
+        # (~0.3 ms, several under load): it runs on the loop, unless a write holds a store.
+        # Larger ones in a thread.
         if sum(c.scan_size() for c in colls) <= _INLINE_SEARCH_VECTORS:
-            return run()
+            with contextlib.ExitStack() as held:
+                if all(held.enter_context(c.held_if_free()) for c in colls):
+                    return run()
         return await asyncio.to_thread(run)
 
     # --- helpers ------------------------------------------------------------------------

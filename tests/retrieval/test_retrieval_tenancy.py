@@ -144,7 +144,7 @@ def world(loop, open_retriever):
     def upload(caller: Caller, name: str, text: str) -> str:
         return run(r.create_file(name, text.encode(), "assistants", caller=caller))["id"]
 
-    w = SimpleNamespace(r=r, run=run)
+    w = SimpleNamespace(r=r, run=run, loop=loop)
     w.fb = upload(BOB, "tides.txt", TIDES)
     w.sb = run(r.create_store("notes", file_ids=[w.fb], caller=BOB))["id"]
     w.fa = upload(ALICE, "volcano.txt", VOLCANO)
@@ -332,6 +332,38 @@ def test_a_search_too_large_for_the_loop_runs_in_a_thread_and_finds_the_same(wor
     monkeypatch.setattr(service.asyncio, "to_thread", lambda f, *a: threads.append(f) or to_thread(f, *a))
     assert run(r.retrieve(["docs", world.sa], None, query, 4, caller=BOB)) == on_loop
     assert on_loop and len(threads) == 2  # the storage catch-up, then the search
+
+
+def test_a_small_search_waits_for_no_write_on_the_loop(world, monkeypatch):
+    """A store a write holds (an HNSW insert can take seconds) is searched in a thread: the
+    replica's event loop never waits for its lock."""
+    import threading
+
+    r, run = world.r, world.run
+    store = r._stores.get_by_id(world.sa)
+    query = "lava volcano"
+    free = run(r.retrieve([world.sa], None, query, 4, caller=BOB))
+    threads: list[Any] = []
+    to_thread = asyncio.to_thread
+    monkeypatch.setattr(service.asyncio, "to_thread", lambda f, *a: threads.append(f) or to_thread(f, *a))
+    held, release = threading.Event(), threading.Event()
+
+    def writer() -> None:
+        with store._lock:
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=writer)
+    holder.start()
+    assert held.wait(10)
+    try:
+        pending = world.loop.create_task(r.retrieve([world.sa], None, query, 4, caller=BOB))
+        world.loop.run_until_complete(asyncio.sleep(0.2))
+        assert not pending.done() and len(threads) == 2  # waiting in its thread, not on the loop
+    finally:
+        release.set()
+        holder.join()
+    assert world.loop.run_until_complete(pending) == free and free
 
 
 def test_requested_stores_are_the_callers_own_or_the_policys(world):
