@@ -77,6 +77,30 @@ class UseEncoder:
         return np.atleast_2d(np.asarray(self._model.encode(list(texts)), dtype=np.float32))
 
 
+class _Primed:
+    """Values computed ahead for chunks, each taken once by scoring; once more than
+    ``_PRIMED_MAX`` wait unused (their requests ended before scoring), they are dropped."""
+
+    def __init__(self) -> None:
+        self._values: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def put(self, chunks: list[str], values) -> None:
+        with self._lock:
+            if len(self._values) > _PRIMED_MAX:
+                self._values.clear()
+            self._values.update(zip(chunks, values))
+
+    def take(self, chunks: list[str]) -> list[Any]:
+        """Each chunk's value, None where there is none; taken values are gone."""
+        with self._lock:
+            return [self._values.pop(c, None) for c in chunks]
+
+    def chunks(self) -> list[str]:
+        with self._lock:
+            return list(self._values)
+
+
 def _flush_subnormal(weights: np.ndarray | None) -> np.ndarray | None:
     if weights is None:
         return None
@@ -122,11 +146,10 @@ class InjectionEnsemble:
         for name in ("use_hidden_weights", "use_weights", "char_weights"):
             setattr(self, name, _flush_subnormal(getattr(self, name)))
         self._use: UseEncoder | None = None
-        # USE vectors computed ahead (``prime``), by chunk text, used once by ``score_input``.
-        self._primed: dict[str, np.ndarray] = {}
-        # Character-model P(injection) computed ahead (``prime_char``), by chunk, used once.
-        self._primed_char: dict[str, float] = {}
-        self._primed_lock = threading.Lock()
+        # Computed ahead by chunk text, used once by scoring: USE vectors (``store_primed``) and
+        # character-model P(injection) (``prime_char``).
+        self._primed = _Primed()
+        self._primed_char = _Primed()
         # Raw counts: scoring divides by their norm itself (sklearn's `normalize`, with its
         # argument checks, was a third of the character model's time on a short text).
         self._char = char_vectorizer(norm=None) if "char" in self.components else None
@@ -225,32 +248,23 @@ class InjectionEnsemble:
     def store_primed(self, chunks: list[str], vectors: np.ndarray) -> None:
         """Keep USE vectors of ``chunks`` for scoring; vectors not used by then are dropped at
         a later call beyond ``_PRIMED_MAX``."""
-        with self._primed_lock:
-            if len(self._primed) > _PRIMED_MAX:
-                self._primed.clear()
-            self._primed.update(zip(chunks, vectors))
+        self._primed.put(chunks, vectors)
 
     def prime_char(self, chunks: list[str]) -> None:
         """Score ``chunks`` (from ``prime_chunks``) with the character model now, for scoring
         to use: the guardrails run it while USE encodes the same chunks in a thread."""
         if self._char is None or not chunks:
             return
-        scores = self.score_char(chunks)
-        with self._primed_lock:
-            if len(self._primed_char) > _PRIMED_MAX:
-                self._primed_char.clear()
-            self._primed_char.update(zip(chunks, scores.tolist()))
+        self._primed_char.put(chunks, self.score_char(chunks).tolist())
 
     def _char_scores(self, chunks: list[str]) -> np.ndarray:
-        with self._primed_lock:
-            found = [self._primed_char.pop(c, None) for c in chunks]
+        found = self._primed_char.take(chunks)
         if any(f is None for f in found):
             return self.score_char(chunks)
         return np.asarray(found, dtype=np.float64)
 
     def _use_vectors(self, chunks: list[str]) -> np.ndarray:
-        with self._primed_lock:
-            found = [self._primed.pop(c, None) for c in chunks]
+        found = self._primed.take(chunks)
         missing = [c for c, v in zip(chunks, found) if v is None]
         if missing:
             encoded = iter(self.use_encoder().encode(missing))

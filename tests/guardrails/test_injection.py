@@ -387,9 +387,9 @@ def test_primed_use_vectors_give_the_same_scores():
     chunks = scorer.prime_chunks(texts[:2])  # as the deployment does, with other requests' chunks
     scorer.store_primed(chunks, scorer.use_encoder().encode(chunks))
     scorer.prime_char(chunks)
-    assert len(scorer._primed) == len(scorer._primed_char) == 2
+    assert len(scorer._primed.chunks()) == len(scorer._primed_char.chunks()) == 2
     primed = [scorer.score_input(t, v) for t, v in zip(texts, vectors)]
-    assert scorer._primed == scorer._primed_char == {}  # used, not kept
+    assert scorer._primed.chunks() == scorer._primed_char.chunks() == []  # used, not kept
     # A text's USE vector is bit-for-bit the same whatever it is encoded with (test_use_int8.py).
     assert primed == plain
 
@@ -419,18 +419,18 @@ def test_the_character_model_scores_while_use_encodes():
         try:
             priming = asyncio.ensure_future(rails._prime(guard, scorer, [text]))
             for _ in range(200):  # the encode is held: only priming on the loop can fill this
-                if scorer._primed_char:
+                if scorer._primed_char.chunks():
                     break
                 await asyncio.sleep(0.005)
-            char_while_encoding = dict(scorer._primed_char)
+            char_while_encoding = scorer._primed_char.chunks()
             release.set()
             await priming
         finally:
             scorer.use_encoder().encode = encode
-        assert list(char_while_encoding) == scorer.prime_chunks([text])
-        assert len(scorer._primed) == 1
+        assert char_while_encoding == scorer.prime_chunks([text])
+        assert len(scorer._primed.chunks()) == 1
         blocked = guard.check_text(text).blocked
-        assert scorer._primed == scorer._primed_char == {}
+        assert scorer._primed.chunks() == scorer._primed_char.chunks() == []
         return blocked
 
     assert asyncio.run(run())
