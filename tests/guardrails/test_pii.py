@@ -1,16 +1,7 @@
 import pytest
 
-from guardrails.detectors.pii import (
-    bsn_valid,
-    check_pii,
-    detect,
-    iban_valid,
-    luhn_valid,
-    nif_valid,
-    pii_verdict,
-    redact,
-    ssn_valid,
-)
+from guardrails.detectors.pii import check_pii, detect, pii_verdict, redact
+from guardrails.detectors.pii_validators import bsn_valid, iban_valid, luhn_valid, nif_valid, ssn_valid
 from guardrails.entities import EntityType, RuleAction
 from guardrails.verdict import PolicyCode
 
