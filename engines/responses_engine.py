@@ -14,8 +14,10 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from ray.llm._internal.serve.core.configs.openai_api_models import ErrorInfo, ErrorResponse
+# No public names in Ray Serve LLM 2.60: ErrorInfo, and the vLLM engine this one extends.
+from ray.llm._internal.serve.core.configs.openai_api_models import ErrorInfo
 from ray.llm._internal.serve.engines.vllm.vllm_engine import VLLMEngine
+from ray.serve.llm.openai_api_models import ErrorResponse
 from vllm.entrypoints.openai.responses.protocol import ResponsesRequest, ResponsesResponse
 from vllm.entrypoints.serve.engine.protocol import ErrorResponse as VLLMErrorResponse
 from vllm.exceptions import VLLMClientError

@@ -16,9 +16,11 @@ import os
 from collections.abc import AsyncGenerator
 from typing import Any
 
+# No public names in Ray Serve LLM 2.60: the engine-class variable LLMServer reads, and ErrorInfo.
 from ray.llm._internal.serve.constants import RAYLLM_VLLM_ENGINE_CLS_ENV
-from ray.llm._internal.serve.core.configs.openai_api_models import ErrorInfo, ErrorResponse
+from ray.llm._internal.serve.core.configs.openai_api_models import ErrorInfo
 from ray.serve.llm import LLMServer
+from ray.serve.llm.openai_api_models import ErrorResponse
 
 
 class ResponsesServer(LLMServer):

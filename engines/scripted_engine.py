@@ -49,13 +49,12 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 import ray
-from ray.llm._internal.serve.core.configs.openai_api_models import (
-    ChatCompletionResponse,
-    CompletionResponse,
-    ErrorInfo,
-    ErrorResponse,
-)
+
+# Ray Serve LLM 2.60 has no public name for ErrorInfo or for the engine protocol that
+# LLMServer's engine_cls implements; the response classes are the public ones.
+from ray.llm._internal.serve.core.configs.openai_api_models import ErrorInfo
 from ray.llm._internal.serve.core.engine.protocol import LLMEngine
+from ray.serve.llm.openai_api_models import ChatCompletionResponse, CompletionResponse, ErrorResponse
 from vllm.entrypoints.generate.base.protocol import DeltaFunctionCall, DeltaToolCall
 from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionLogProb,

@@ -10,6 +10,9 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from ray import exceptions as ray_exceptions
+
+# The class the engine's errors are instances of: the public ErrorResponse is its subclass, so
+# an isinstance check against the public name misses what vLLM's engine returns.
 from ray.llm._internal.serve.core.configs.openai_api_models import ErrorResponse
 from ray.serve import exceptions as serve_exceptions
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
