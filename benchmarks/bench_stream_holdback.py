@@ -16,7 +16,7 @@ carry visible text, and the characters held back after each token; time to first
 is the engine's time to first token plus that many extra tokens times its time per output token
 (defaults: the gateway's medians at concurrency 1 in the README's serving benchmark).
 
-    python benchmarks/bench_stream_holdback.py [--before HEAD] [--ttft-ms 354] [--tpot-ms 83]
+    python benchmarks/bench_stream_holdback.py [--before d1c38cc] [--ttft-ms 354] [--tpot-ms 83]
 """
 
 from __future__ import annotations
@@ -111,7 +111,8 @@ def measure(make_guard, pieces: list[str]) -> dict[str, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--before", default="HEAD", help="git revision with the fixed-window rail")
+    # d1c38cc: the last revision whose output rail held a fixed window (a8117ee replaced it).
+    parser.add_argument("--before", default="d1c38cc", help="git revision with the fixed-window rail")
     parser.add_argument("--ttft-ms", type=float, default=354.0, help="engine time to first token")
     parser.add_argument("--tpot-ms", type=float, default=83.0, help="engine time per output token")
     args = parser.parse_args()
