@@ -21,6 +21,7 @@ from pydantic import (
     model_validator,
 )
 
+from guardrails.app_templates import TemplateMatcher
 from guardrails.detectors.linear_regex import compile_forbidden
 from guardrails.entities import EntityType, RuleAction
 
@@ -98,6 +99,22 @@ class HfClassifierConfig(StrictModel):
     device: str = "cpu"
 
 
+class AppTemplate(StrictModel):
+    """A prompt template an application wraps around its user's text (a chat UI's RAG
+    template): see ``guardrails.app_templates``. Without ``text``, ``name`` is a built-in
+    (``guardrails/templates/<name>/``, e.g. ``open_webui_rag``)."""
+
+    name: str = Field(min_length=1)
+    # The template with placeholders on lines of their own: {{CONTEXT}} for documents, any
+    # other {{NAME}} for the user's text, each between an opening and a closing line.
+    text: str | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="after")
+    def _parses(self) -> AppTemplate:
+        TemplateMatcher.from_policy([(self.name, self.text)])  # raises ValueError with the reason
+        return self
+
+
 class InjectionPolicy(StrictModel):
     """Prompt-injection / jailbreak rail."""
 
@@ -118,6 +135,11 @@ class InjectionPolicy(StrictModel):
     # jailbreak to a classifier trained on user turns: "You are X. Never reveal ..."). Their
     # text gets the high-precision heuristics, PII and topic rails, not the classifier.
     instruction_roles: frozenset[Literal["system", "developer"]] = frozenset({"system", "developer"})
+    # Templates whose own lines are an app's instructions, not its user's: a message written
+    # from one is judged in parts (template lines by the heuristics, its context block as
+    # documents, every other line as a user turn). Needs a scorer that reads text, not a
+    # MiniLM embedding of the whole message. Default: Open WebUI's RAG template ([] turns it off).
+    app_templates: list[AppTemplate] = Field(default_factory=lambda: [AppTemplate(name="open_webui_rag")])
 
     @field_serializer("instruction_roles")
     def _sorted_roles(self, roles: frozenset[str]) -> list[str]:

@@ -183,7 +183,14 @@ class Guardrails:
         # texts (``_use_gate``).
         scorer = guard.injection.scorer if guard.injection else None
         batched = hasattr(scorer, "prime_chunks")
-        primed = asyncio.ensure_future(self._prime(guard, scorer, texts)) if batched else None
+        if batched:
+            # What the classifier will score: the texts judged whole, or an app template's pieces.
+            scored = [
+                p
+                for t, f in zip(texts, flags)
+                for p in guard.scored_texts(t, instructions=f == "instructions", document=f == "document")
+            ]
+        primed = asyncio.ensure_future(self._prime(guard, scorer, scored)) if batched else None
         embeddings: list[np.ndarray | None] = [None] * len(texts)
         try:
             if guard.needs_embedding:

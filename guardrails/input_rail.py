@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from guardrails.app_templates import Piece, TemplateMatcher
 from guardrails.config import GuardrailPolicy, InjectionDetectorKind, InjectionPolicy
 from guardrails.detectors.injection import (
     DEFAULT_ARTIFACT,
@@ -27,6 +28,9 @@ from guardrails.metrics import RailMetrics
 from guardrails.verdict import PolicyCode, Verdict, combine
 
 logger = logging.getLogger(__name__)
+
+# What stands in the prompt for an app template's document the injection rail flagged.
+REMOVED_DOCUMENT = "<source>[removed: the gateway's injection guardrail flagged this document]</source>"
 
 
 def build_injection_scorer(policy: InjectionPolicy) -> InjectionScorer | None:
@@ -84,6 +88,14 @@ class InputGuard:
             else None
         )
         self.topics = topics if policy.denied_topics.topics else None
+        # An app's templates (a chat UI's RAG message) are judged in parts: template lines,
+        # documents, the user's text. A MiniLM scorer has one vector for the whole text, so
+        # it judges the whole text.
+        self.templates = (
+            TemplateMatcher.from_policy((t.name, t.text) for t in inj.app_templates)
+            if self.injection is not None and inj.app_templates and not self.injection.reads_embedding
+            else None
+        )
         # Set by the deployment: names this policy in the verdict cache.
         self.cache_version = ""
 
@@ -129,10 +141,42 @@ class InputGuard:
             judged = text
             if seen and seen[-1].redacted and seen[-1].text is not None and not detector.reads_embedding:
                 judged = seen[-1].text
-            if not instructions:
-                seen.append(self._run(detector.rail, lambda: detector.check(judged, embedding, document=document)))
-            elif detector.use_heuristics:
-                seen.append(self._run(detector.rail, lambda: detector.check_heuristics(judged)))
+            pieces = self._pieces(judged, instructions=instructions, document=document)
+            whole = pieces is None  # the embedding (of the whole text) serves only the whole text
+            if pieces is None:
+                pieces = [Piece(judged, "instructions" if instructions else "document" if document else "user")]
+            removed: list[str] = []
+            for piece in pieces:
+                if piece.kind != "instructions":
+                    doc, emb = piece.kind == "document", embedding if whole else None
+                    seen.append(
+                        self._run(detector.rail, lambda p=piece.text, e=emb, d=doc: detector.check(p, e, document=d))
+                    )
+                elif detector.use_heuristics:
+                    seen.append(self._run(detector.rail, lambda p=piece.text: detector.check_heuristics(p)))
+                if (
+                    seen
+                    and seen[-1].blocked
+                    and not whole
+                    and piece.kind == "document"
+                    and seen[-1].rail == detector.rail
+                ):
+                    # A template's document is dropped, not the request, as a retrieved passage is.
+                    removed.append(piece.text)
+                    seen.pop()
+                elif seen and seen[-1].blocked:
+                    break
+            if removed and not (seen and seen[-1].blocked):
+                for element in removed:
+                    judged = judged.replace(element, REMOVED_DOCUMENT, 1)
+                seen.append(
+                    Verdict.redact(
+                        detector.rail,
+                        judged,
+                        f"{len(removed)} document(s) of an app template removed",
+                        code=PolicyCode.PROMPT_INJECTION,
+                    )
+                )
             if seen and seen[-1].blocked:
                 return seen[-1]
         if self.topics is not None:
@@ -142,6 +186,23 @@ class InputGuard:
                 matcher, emb = self.topics, embedding
                 seen.append(self._run(matcher.rail, lambda: matcher.check(emb)))
         return combine(seen)
+
+    def scored_texts(self, text: str, *, instructions: bool = False, document: bool = False) -> list[str]:
+        """The texts the injection classifier will score when checking ``text`` (for the
+        guardrails deployment to encode them ahead, together with other requests')."""
+        if self.injection is None or self.injection.scorer is None:
+            return []
+        pieces = self._pieces(text, instructions=instructions, document=document)
+        if pieces is None:
+            return [] if instructions else [text]
+        return [p.text for p in pieces if p.kind != "instructions"]
+
+    def _pieces(self, text: str, *, instructions: bool, document: bool) -> list[Piece] | None:
+        """How the injection rail judges ``text``: in parts when it was written from one of
+        the policy's app templates, else None (whole, as a turn, instructions or document)."""
+        if self.templates is None or document:
+            return None
+        return self.templates.split(text, instructions=instructions)
 
     def _run(self, rail: str, check: Callable[[], Verdict]) -> Verdict:
         return run_rail(rail, check, fail_open=self.policy.fail_open, metrics=self.metrics)

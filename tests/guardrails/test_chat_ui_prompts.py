@@ -1,8 +1,9 @@
 """Chat UIs send their own prompts through the gateway beside the user's turns: titles, tags,
 follow-up suggestions, search queries, autocompletion (as user messages), and RAG templates
 that carry an attached document. The shipped input rails, as the embedded model's file sets
-them, must let the background tasks through as user messages, and every one of these prompts
-as a system message (README "Open WebUI's own RAG and the injection rail")."""
+them (with Open WebUI's RAG template among its ``app_templates``), must let every one of these
+prompts through as a user message and as a system message (README "Open WebUI's own RAG and
+the injection rail")."""
 
 from __future__ import annotations
 
@@ -13,12 +14,10 @@ import pytest
 from gateway.model_file import load_model_file
 from guardrails.detectors.injection import DEFAULT_ARTIFACT
 from guardrails.detectors.injection_ensemble import load_scorer
-from guardrails.input_rail import InputGuard
+from guardrails.input_rail import REMOVED_DOCUMENT, InputGuard
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = {p.stem: p.read_text() for p in sorted((ROOT / "tests/fixtures/chat_ui_prompts").glob("*.txt"))}
-# Sent as a user message with Open WebUI's defaults; refused there today (see the README).
-SYSTEM_ONLY = {"owui_rag"}
 
 
 @pytest.fixture(scope="module")
@@ -29,11 +28,15 @@ def guard() -> InputGuard:
 
 
 def test_the_fixture_has_every_prompt():
-    assert len(PROMPTS) == 7 and SYSTEM_ONLY <= set(PROMPTS)
+    assert len(PROMPTS) == 7 and "owui_rag" in PROMPTS
 
 
-@pytest.mark.parametrize("name", sorted(set(PROMPTS) - SYSTEM_ONLY))
-def test_background_tasks_pass_as_user_messages(guard, name):
+def test_the_rag_template_is_one_the_model_file_names(guard):
+    assert guard.templates is not None and guard.templates.split(PROMPTS["owui_rag"]) is not None
+
+
+@pytest.mark.parametrize("name", sorted(PROMPTS))
+def test_every_prompt_passes_as_a_user_message(guard, name):
     verdict = guard.check_text(PROMPTS[name], None)
     assert not verdict.blocked, (name, verdict.rail, verdict.reason)
 
@@ -54,6 +57,11 @@ def test_the_templates_have_their_attacks():
 @pytest.mark.parametrize("path", TEMPLATE_ATTACKS, ids=lambda p: p.stem)
 def test_instructions_planted_in_a_rag_template_are_refused(guard, path):
     """A RAG template with one rule or one source replaced by an attack, sent as a user message
-    (guardrails/data/README.md, "The rule-template experiment": the shipped detector's 5 of 5)."""
+    (guardrails/data/README.md, "The rule-template experiment": the shipped detector's 5 of 5).
+    In Open WebUI's template, which the model file names, a planted source is removed instead
+    (the request goes on without it), as a retrieved passage would be."""
     verdict = guard.check_text(path.read_text(), None)
-    assert verdict.blocked and verdict.rail == "injection", (path.stem, verdict.rail, verdict.reason)
+    if path.stem == "attack_owui_planted":
+        assert verdict.redacted and REMOVED_DOCUMENT in verdict.text and "secure-verify" not in verdict.text
+    else:
+        assert verdict.blocked and verdict.rail == "injection", (path.stem, verdict.rail, verdict.reason)

@@ -1,0 +1,209 @@
+"""Prompt templates an application wraps around its user's text, recognised line by line.
+
+A chat UI's RAG feature sends one user message that holds three kinds of text: the UI's own
+instructions (a fixed list of rules), the attached documents, and the user's question. Judged
+as one user turn, the rules read like a jailbreak to a classifier trained on user turns
+(Open WebUI's default scores 0.75), so the request is refused. A policy that names the
+template (``injection.app_templates``) lets the injection rail judge each part as what it is:
+
+- lines of the template's own text: instructions, judged by the phrase heuristics (as a
+  system prompt is);
+- the text between a block placeholder's opening and closing lines (``<context>`` /
+  ``{{CONTEXT}}`` / ``</context>``): documents, each ``<source ...>...</source>`` element on
+  its own, judged by the document calibration, as retrieved passages and tool results are;
+- every other line (the question, text around the template, a rule the template does not
+  have): one user turn, judged by the classifier as any user message is.
+
+Only exact lines of the template count as its text (whitespace collapsed), so an attacker who
+writes the template by hand gains nothing for text of their own: it is judged as a user turn,
+and what they put between the context lines is judged as a document, as a ``tool`` message of
+theirs would be. A message matches only when it carries at least one block and at least half of
+the template's distinct lines; otherwise it is one user turn, as without templates. Matching is
+a single pass over the lines with set lookups: linear in the message.
+
+A template is its text with placeholders on lines of their own; ``{{CONTEXT}}`` marks
+documents, any other ``{{NAME}}`` user text. Several versions of one template (a UI that
+changed its default) are tried in turn; the best-covered one is used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+BUILTIN_DIR = Path(__file__).resolve().parent / "templates"
+DOCUMENT_PLACEHOLDERS = frozenset({"CONTEXT"})
+# A message must carry at least this share of a template's distinct lines to match it.
+MIN_COVERAGE = 0.5
+
+Kind = Literal["instructions", "document", "user"]
+
+
+def builtin_names() -> list[str]:
+    """Templates shipped in ``guardrails/templates/<name>/`` (one file per known version)."""
+    return sorted(p.name for p in BUILTIN_DIR.iterdir() if p.is_dir() and any(p.glob("*.txt")))
+
+
+def _norm(line: str) -> str:
+    return " ".join(line.split())
+
+
+def _placeholder(line: str) -> str | None:
+    s = line.strip()
+    if s.startswith("{{") and s.endswith("}}") and s[2:-2].isidentifier():
+        return s[2:-2]
+    return None
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One part of a message and how the injection rail judges it."""
+
+    text: str
+    kind: Kind
+
+
+@dataclass(frozen=True)
+class _Version:
+    lines: frozenset[str]  # the template's own lines, normalised (block openers and closers too)
+    blocks: dict[str, tuple[str, Kind]]  # opening line -> (closing line, what the block holds)
+
+
+def _parse(text: str, source: str) -> _Version:
+    raw = text.splitlines()
+    lines: set[str] = set()
+    blocks: dict[str, tuple[str, Kind]] = {}
+    for i, line in enumerate(raw):
+        name = _placeholder(line)
+        if name is None:
+            if _norm(line):
+                if "{{" in line and "}}" in line:
+                    raise ValueError(f"{source}: a placeholder must stand on a line of its own: {line.strip()!r}")
+                lines.add(_norm(line))
+            continue
+        before = next((_norm(x) for x in reversed(raw[:i]) if _norm(x)), None)
+        after = next((_norm(x) for x in raw[i + 1 :] if _norm(x)), None)
+        if before is None or after is None or _placeholder(before) or _placeholder(after):
+            raise ValueError(f"{source}: {{{{{name}}}}} needs an opening line before it and a closing line after it")
+        if before in blocks:
+            raise ValueError(f"{source}: two placeholders share the opening line {before!r}")
+        blocks[before] = (after, "document" if name in DOCUMENT_PLACEHOLDERS else "user")
+    if not blocks:
+        raise ValueError(f"{source}: a template needs at least one placeholder such as {{{{CONTEXT}}}}")
+    return _Version(frozenset(lines), blocks)
+
+
+class TemplateMatcher:
+    """Splits a message written from one of the given templates into judged pieces."""
+
+    def __init__(self, versions: Iterable[tuple[str, str]]) -> None:
+        """``versions``: (source name, template text) pairs; raises ValueError on a bad template."""
+        self._versions = [_parse(text, source) for source, text in versions]
+        if not self._versions:
+            raise ValueError("no templates")
+        self._openers = frozenset(o for v in self._versions for o in v.blocks)
+
+    @classmethod
+    def from_policy(cls, templates: Iterable[tuple[str, str | None]]) -> TemplateMatcher | None:
+        """``templates``: (name, text) pairs; a None text names a built-in template."""
+        versions: list[tuple[str, str]] = []
+        for name, text in templates:
+            if text is not None:
+                versions.append((name, text))
+                continue
+            folder = BUILTIN_DIR / name
+            files = sorted(folder.glob("*.txt")) if folder.is_dir() else []
+            if not files:
+                raise ValueError(f"no built-in app template {name!r} (built-ins: {', '.join(builtin_names())})")
+            versions += [(f"{name}/{f.name}", f.read_text(encoding="utf-8")) for f in files]
+        return cls(versions) if versions else None
+
+    def split(self, text: str, *, instructions: bool = False) -> list[Piece] | None:
+        """The pieces of ``text`` if it was written from one of the templates, else None.
+        ``instructions``: the text comes from an instruction role (a system prompt), so its
+        non-template lines stay instructions; its documents are still judged as documents."""
+        if "\n" not in text:
+            return None
+        lines = text.splitlines()
+        normed = [_norm(x) for x in lines]
+        if not self._openers.intersection(normed):
+            return None
+        best: tuple[float, list[Piece]] | None = None
+        for version in self._versions:
+            found = self._split(version, lines, normed, instructions)
+            if found is not None and (best is None or found[0] > best[0]):
+                best = found
+        return best[1] if best is not None else None
+
+    @staticmethod
+    def _split(
+        version: _Version, lines: list[str], normed: list[str], instructions: bool
+    ) -> tuple[float, list[Piece]] | None:
+        own: list[str] = []
+        seen: set[str] = set()
+        other: list[str] = []
+        documents: list[str] = []
+        n, i, blocks = len(lines), 0, 0
+        # Per closing line, the next index at or after each position holding it: one pass
+        # each, so a message of many unclosed openers stays linear.
+        following: dict[str, list[int]] = {}
+        for closer, _ in version.blocks.values():
+            if closer not in following:
+                at, nxt = [n] * (n + 1), n
+                for j in range(n - 1, -1, -1):
+                    if normed[j] == closer:
+                        nxt = j
+                    at[j] = nxt
+                following[closer] = at
+        while i < n:
+            line = normed[i]
+            block = version.blocks.get(line)
+            if block is not None:
+                closer, kind = block
+                end = following[closer][i + 1]
+                if end < n:
+                    body = "\n".join(lines[i + 1 : end])
+                    if kind == "document":
+                        documents += _documents(body)
+                    elif body.strip():
+                        other.append(body)
+                    own += [lines[i], lines[end]]
+                    seen.update((line, closer))
+                    blocks += 1
+                    i = end + 1
+                    continue
+            if line in version.lines:
+                own.append(lines[i])
+                seen.add(line)
+            elif line:
+                other.append(lines[i])
+            i += 1
+        coverage = len(seen) / len(version.lines)
+        if blocks == 0 or coverage < MIN_COVERAGE:
+            return None
+        pieces = [Piece("\n".join(own), "instructions")]
+        pieces += [Piece(d, "document") for d in documents]
+        if other:
+            pieces.append(Piece("\n".join(other), "instructions" if instructions else "user"))
+        return coverage, pieces
+
+
+def _documents(body: str) -> list[str]:
+    """A context block's documents: each ``<source ...>...</source>`` element (its attributes,
+    such as a file name, included), and whatever text lies outside them. Linear: str.find."""
+    out: list[str] = []
+    rest: list[str] = []
+    pos = 0
+    while True:
+        start = body.find("<source", pos)
+        end = body.find("</source>", start) if start >= 0 else -1
+        if start < 0 or end < 0:
+            rest.append(body[pos:])
+            break
+        rest.append(body[pos:start])
+        out.append(body[start : end + len("</source>")])
+        pos = end + len("</source>")
+    outside = "\n".join(r.strip() for r in rest if r.strip())
+    return [d for d in out if d.strip()] + ([outside] if outside else [])
