@@ -140,6 +140,10 @@ class InjectionPolicy(StrictModel):
     # documents, every other line as a user turn). Needs a scorer that reads text, not a
     # MiniLM embedding of the whole message. Default: Open WebUI's RAG template ([] turns it off).
     app_templates: list[AppTemplate] = Field(default_factory=lambda: [AppTemplate(name="open_webui_rag")])
+    # Documents are also scored two sentences at a time, so an instruction planted in a long
+    # document is not diluted by the rest: more planted instructions caught, and more benign
+    # documents dropped (README, Guardrails, has both). Ensemble scorer only.
+    document_windows: bool = False
 
     @field_serializer("instruction_roles")
     def _sorted_roles(self, roles: frozenset[str]) -> list[str]:

@@ -216,8 +216,8 @@ class Guardrails:
             return await asyncio.to_thread(_check_all, guard, texts, embeddings, flags, deadline)
         return _check_all(guard, texts, embeddings, flags, deadline)
 
-    async def _prime(self, guard: InputGuard, scorer: InjectionEnsemble, texts: Sequence[str]) -> None:
-        chunks = scorer.prime_chunks(list(texts))
+    async def _prime(self, guard: InputGuard, scorer: InjectionEnsemble, scored: list[tuple[str, bool]]) -> None:
+        chunks = scorer.prime_chunks([t for t, _ in scored], [d for _, d in scored])
         if not chunks:
             return
         started = time.perf_counter()

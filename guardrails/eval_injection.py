@@ -125,10 +125,11 @@ def detector_scores(
     encoder: SentenceEncoder,
     texts: list[str],
     documents: list[bool] | None = None,
+    windows: bool = False,
 ):
     """Score of every detector on every text: each component alone, the stacked ensemble (its
     document stacker for ``documents``), and the heuristics (0/1). Chunked exactly as at
-    serving time, maximum over chunks."""
+    serving time (``windows``: documents' sentence windows too), maximum over chunks."""
     chunked = embed_chunked(encoder, texts)
     out: dict[str, list[float]] = defaultdict(list)
     for text, vectors, document in zip(texts, chunked, documents or [False] * len(texts)):
@@ -136,7 +137,8 @@ def detector_scores(
         if isinstance(scorer, InjectionClassifier):
             out["minilm"].append(float(scorer.score(vectors).max()))
             continue
-        parts = scorer.component_scores(embedding_chunks(text), vectors)
+        chunks = scorer.scoring_chunks(text, windows=document and windows)
+        parts = scorer.component_scores(chunks, vectors)
         for j, name in enumerate(scorer.components):
             out[name].append(float(parts[:, j].max()))
         out["ensemble"].append(float(scorer.stack(parts, document=document).max()))
@@ -265,6 +267,9 @@ def main() -> None:
     )
     parser.add_argument("--model-dir", type=Path, default=None)
     parser.add_argument("--skip-split", action="store_true", help="only the disjoint eval")
+    parser.add_argument(
+        "--document-windows", action="store_true", help="score documents by sentence windows too (the policy's option)"
+    )
     parser.add_argument("--latency", action="store_true", help="only time the input rails on the disjoint eval's texts")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -282,7 +287,7 @@ def main() -> None:
     if not args.skip_split:
         data = load_rows(args.eval)
         document = np.array([slot == "document" for slot in data.slots])
-        s = detector_scores(scorer, encoder, data.texts, list(document))
+        s = detector_scores(scorer, encoder, data.texts, list(document), windows=args.document_windows)
         heur = s["heuristics"] >= 0.5
         flagged = s[main_name] >= np.where(document, doc_threshold, threshold)
         predictions = {"heuristics": heur, main_name: flagged, "combined": heur | flagged}
@@ -294,7 +299,7 @@ def main() -> None:
 
     rows = load_disjoint(args.disjoint)
     document = np.array([r.slot == "document" for r in rows])
-    scores = detector_scores(scorer, encoder, [r.text for r in rows], list(document))
+    scores = detector_scores(scorer, encoder, [r.text for r in rows], list(document), windows=args.document_windows)
     combined = (scores["heuristics"] >= 0.5) | (scores[main_name] >= np.where(document, doc_threshold, threshold))
     scores["combined"] = np.maximum(scores["heuristics"], scores[main_name])
     deployed = {"user": combined, "document": combined}

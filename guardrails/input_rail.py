@@ -83,7 +83,13 @@ class InputGuard:
             calibrated = getattr(injection_scorer, "calibrated_document_threshold", None)
             document_threshold = calibrated if calibrated is not None and inj.threshold is None else threshold
         self.injection = (
-            InjectionDetector(injection_scorer, threshold, inj.heuristics, document_threshold=document_threshold)
+            InjectionDetector(
+                injection_scorer,
+                threshold,
+                inj.heuristics,
+                document_threshold=document_threshold,
+                document_windows=inj.document_windows,
+            )
             if inj.enabled and (injection_scorer is not None or inj.heuristics)
             else None
         )
@@ -187,15 +193,17 @@ class InputGuard:
                 seen.append(self._run(matcher.rail, lambda: matcher.check(emb)))
         return combine(seen)
 
-    def scored_texts(self, text: str, *, instructions: bool = False, document: bool = False) -> list[str]:
-        """The texts the injection classifier will score when checking ``text`` (for the
-        guardrails deployment to encode them ahead, together with other requests')."""
+    def scored_texts(self, text: str, *, instructions: bool = False, document: bool = False) -> list[tuple[str, bool]]:
+        """The texts the injection classifier will score when checking ``text``, each with
+        whether its sentence windows are scored too (for the guardrails deployment to encode
+        them ahead, together with other requests')."""
         if self.injection is None or self.injection.scorer is None:
             return []
+        windows = self.injection.document_windows
         pieces = self._pieces(text, instructions=instructions, document=document)
         if pieces is None:
-            return [] if instructions else [text]
-        return [p.text for p in pieces if p.kind != "instructions"]
+            return [] if instructions else [(text, document and windows)]
+        return [(p.text, p.kind == "document" and windows) for p in pieces if p.kind != "instructions"]
 
     def _pieces(self, text: str, *, instructions: bool, document: bool) -> list[Piece] | None:
         """How the injection rail judges ``text``: in parts when it was written from one of

@@ -12,6 +12,7 @@ A Hugging Face sequence classifier (e.g. Prompt Guard) can replace the embedding
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from dataclasses import dataclass, field
@@ -294,6 +295,38 @@ def embedding_chunks(text: str, max_chars: int = 1000, overlap: int = 100) -> li
     return [text[i : i + max_chars] for i in range(0, len(text) - overlap, step)]
 
 
+# Sentences a document window holds (see ``sentence_windows``).
+DOCUMENT_WINDOW_SENTENCES = 2
+_STOPS = frozenset(".!?")
+_CJK_STOPS = frozenset("。！？")
+
+
+def sentences(text: str) -> list[str]:
+    """The text's sentences: cut after ``.``, ``!`` or ``?`` followed by white space, after
+    ``。！？``, and at line breaks. One pass, no regex."""
+    out, start, n = [], 0, len(text)
+    for i, ch in enumerate(text):
+        end = ch == "\n" or ch in _CJK_STOPS or (ch in _STOPS and (i + 1 == n or text[i + 1].isspace()))
+        if end:
+            piece = text[start : i + 1].strip()
+            if piece:
+                out.append(piece)
+            start = i + 1
+    tail = text[start:].strip()
+    return out + ([tail] if tail else [])
+
+
+def sentence_windows(text: str, size: int = DOCUMENT_WINDOW_SENTENCES) -> list[str]:
+    """Every run of ``size`` consecutive sentences of a text longer than that, else []. A
+    document can also be scored window by window (``injection.document_windows``): an
+    instruction planted in a long, otherwise ordinary document is one sentence among many, and
+    its chunk's score is diluted by the rest (README, Guardrails, for what it gains and costs)."""
+    parts = sentences(text)
+    if len(parts) <= size:
+        return []
+    return [" ".join(parts[i : i + size]) for i in range(len(parts) - size + 1)]
+
+
 class InjectionScorer(Protocol):
     """Anything that turns a user text (and its embedding, if the scorer uses one) into P(injection)."""
 
@@ -388,6 +421,7 @@ class InjectionDetector:
         use_heuristics: bool = True,
         rail: str = "injection",
         document_threshold: float | None = None,
+        document_windows: bool = False,
     ) -> None:
         for value in (threshold, document_threshold):
             if value is not None and not 0.0 <= value <= 1.0:
@@ -400,6 +434,8 @@ class InjectionDetector:
         self.document_threshold = threshold if document_threshold is None else document_threshold
         self.use_heuristics = use_heuristics
         self.rail = rail
+        # Documents also scored by sentence windows, when the scorer can (the ensemble).
+        self.document_windows = document_windows
 
     @property
     def reads_embedding(self) -> bool:
@@ -418,6 +454,8 @@ class InjectionDetector:
         if self.scorer is not None:
             # A scorer may score documents its own way (the ensemble's document stacker).
             scoring = (getattr(self.scorer, "score_document", None) if document else None) or self.scorer.score_input
+            if document and self.document_windows and hasattr(self.scorer, "scoring_chunks"):
+                scoring = functools.partial(self.scorer.score_document, windows=True)
             score = scoring(text, embedding)
             if payloads and not self.reads_embedding:  # a MiniLM scorer has vectors of `text` only
                 score = max([score, *(scoring(p, None) for p in payloads)])

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from guardrails.detectors.injection import InjectionClassifier, embedding_chunks
+from guardrails.detectors.injection import InjectionClassifier, embedding_chunks, sentence_windows
 from guardrails.detectors.text_fold import decoded_payloads, fold
 
 logger = logging.getLogger(__name__)
@@ -181,12 +181,22 @@ class InjectionEnsemble:
         """P(injection) of a chat turn: the highest score over the text's chunks."""
         return self._score(text, embedding, document=False)
 
-    def score_document(self, text: str, embedding: np.ndarray | None) -> float:
-        """P(injection) of a document, by the document stacker (the chat one if there is none)."""
-        return self._score(text, embedding, document=True)
+    def score_document(self, text: str, embedding: np.ndarray | None, *, windows: bool = False) -> float:
+        """P(injection) of a document, by the document stacker (the chat one if there is none);
+        ``windows``: over its sentence windows too (``scoring_chunks``)."""
+        return self._score(text, embedding, document=True, windows=windows)
 
-    def _score(self, text: str, embedding: np.ndarray | None, *, document: bool) -> float:
+    def scoring_chunks(self, text: str, *, windows: bool = False) -> list[str]:
+        """The pieces a text is scored on (its maximum is the text's score): its
+        ``embedding_chunks``, and with ``windows`` also its ``sentence_windows`` (not with a
+        MiniLM component, whose vectors the caller computed for the chunks alone)."""
         chunks = embedding_chunks(text)
+        if windows and not self.uses_embedding:
+            chunks += sentence_windows(text)
+        return chunks
+
+    def _score(self, text: str, embedding: np.ndarray | None, *, document: bool, windows: bool = False) -> float:
+        chunks = self.scoring_chunks(text, windows=document and windows)
         if self.uses_embedding:
             if embedding is None:
                 raise ValueError("the ensemble's MiniLM component needs the text's embedding")
@@ -235,15 +245,16 @@ class InjectionEnsemble:
         raw = np.asarray(counts @ self.char_weights, dtype=np.float64).ravel()
         return _sigmoid(raw / np.where(norms > 0, norms, 1.0) + self.char_bias)
 
-    def prime_chunks(self, texts: list[str]) -> list[str]:
+    def prime_chunks(self, texts: list[str], windows: list[bool] | None = None) -> list[str]:
         """The folded chunks whose USE vectors scoring ``texts`` will need (what their encoded
         runs decode to included: InjectionDetector.check scores those too); [] without USE.
         Encoding them together is much cheaper than one by one (8.7 ms for four short texts,
         20 ms apart): the guardrails deployment encodes concurrent requests' chunks in one call."""
         if "use" not in self.components:
             return []
-        texts = [*texts, *(p for t in texts for p in decoded_payloads(t))]
-        return [fold(c) for t in texts for c in embedding_chunks(t)]
+        wins = windows if windows is not None else [False] * len(texts)
+        pairs = [*zip(texts, wins), *((p, w) for t, w in zip(texts, wins) for p in decoded_payloads(t))]
+        return [fold(c) for t, w in pairs for c in self.scoring_chunks(t, windows=w)]
 
     def store_primed(self, chunks: list[str], vectors: np.ndarray) -> None:
         """Keep USE vectors of ``chunks`` for scoring; vectors not used by then are dropped at

@@ -175,8 +175,12 @@ def test_pii_is_still_checked_over_the_whole_message(guard):
 def test_the_deployment_primes_the_pieces_it_will_score(guard):
     text = compose(VERSIONS["v2_id"], [FACT], "How long does it take to boil?")
     scored = guard.scored_texts(text)
-    assert scored == [f'<source id="1" name="doc1.txt">{FACT}</source>', "How long does it take to boil?"]
-    assert guard.scored_texts("hello there") == ["hello there"]
+    # (text, also scored by sentence windows): documents would be, with injection.document_windows.
+    assert scored == [
+        (f'<source id="1" name="doc1.txt">{FACT}</source>', False),
+        ("How long does it take to boil?", False),
+    ]
+    assert guard.scored_texts("hello there") == [("hello there", False)]
     assert guard.scored_texts("You are a helpful assistant.", instructions=True) == []
 
 
