@@ -174,7 +174,9 @@ class InputGuard:
                     break
             if removed and not (seen and seen[-1].blocked):
                 for element in removed:
-                    judged = judged.replace(element, REMOVED_DOCUMENT, 1)
+                    # Every copy: one placed elsewhere in the message (its user text) must not
+                    # be the copy removed while the flagged one stays.
+                    judged = judged.replace(element, REMOVED_DOCUMENT)
                 seen.append(
                     Verdict.redact(
                         detector.rail,
