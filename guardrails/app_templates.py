@@ -126,7 +126,10 @@ class TemplateMatcher:
         non-template lines stay instructions; its documents are still judged as documents."""
         if "\n" not in text:
             return None
-        lines = text.splitlines()
+        # Split on "\n" alone, so each piece is the message's own text, character for character
+        # ("\r" and other separators stay inside lines, where the normalisation ignores them):
+        # a flagged document must be found again in the message to be removed.
+        lines = text.split("\n")
         normed = [_norm(x) for x in lines]
         if not self._openers.intersection(normed):
             return None

@@ -173,6 +173,8 @@ class InputGuard:
                 elif seen and seen[-1].blocked:
                     break
             if removed and not (seen and seen[-1].blocked):
+                if not all(element in judged for element in removed):  # cannot happen; fail closed
+                    return Verdict.block(detector.rail, PolicyCode.PROMPT_INJECTION, "a flagged document")
                 for element in removed:
                     # Every copy: one placed elsewhere in the message (its user text) must not
                     # be the copy removed while the flagged one stays.
