@@ -59,10 +59,13 @@ def _placeholder(line: str) -> str | None:
 
 @dataclass(frozen=True)
 class Piece:
-    """One part of a message and how the injection rail judges it."""
+    """One part of a message and how the injection rail judges it. A document's ``span`` is
+    where it stands in the message (``text == message[start:end]``), to remove it from there."""
 
     text: str
     kind: Kind
+    span: tuple[int, int] | None = None
+    block: bool = False  # a context block judged whole: its elements' text without their tags
 
 
 @dataclass(frozen=True)
@@ -133,21 +136,24 @@ class TemplateMatcher:
         normed = [_norm(x) for x in lines]
         if not self._openers.intersection(normed):
             return None
+        starts = [0]
+        for line in lines[:-1]:
+            starts.append(starts[-1] + len(line) + 1)
         best: tuple[float, list[Piece]] | None = None
         for version in self._versions:
-            found = self._split(version, lines, normed, instructions)
+            found = self._split(version, text, lines, starts, normed, instructions)
             if found is not None and (best is None or found[0] > best[0]):
                 best = found
         return best[1] if best is not None else None
 
     @staticmethod
     def _split(
-        version: _Version, lines: list[str], normed: list[str], instructions: bool
+        version: _Version, text: str, lines: list[str], starts: list[int], normed: list[str], instructions: bool
     ) -> tuple[float, list[Piece]] | None:
         own: list[str] = []
         seen: set[str] = set()
         other: list[str] = []
-        documents: list[str] = []
+        documents: list[Piece] = []
         n, i, blocks = len(lines), 0, 0
         # Per closing line, the next index at or after each position holding it: one pass
         # each, so a message of many unclosed openers stays linear.
@@ -167,15 +173,21 @@ class TemplateMatcher:
                 closer, kind = block
                 end = following[closer][i + 1]
                 if end < n:
-                    body = "\n".join(lines[i + 1 : end])
+                    body_start = starts[i + 1] if i + 1 < end else starts[end]
+                    body_end = starts[end] - 1 if i + 1 < end else starts[end]
                     if kind == "document":
-                        documents += _documents(body)
-                    elif body.strip():
-                        other.append(body)
-                    own += [lines[i], lines[end]]
-                    seen.update((line, closer))
+                        documents += _documents(text, body_start, body_end)
+                    elif text[body_start:body_end].strip():
+                        other.append(text[body_start:body_end])
+                    own.append(lines[i])
+                    seen.add(line)
                     blocks += 1
-                    i = end + 1
+                    if closer in version.blocks:
+                        i = end  # the closing line opens the next block: read it again
+                    else:
+                        own.append(lines[end])
+                        seen.add(closer)
+                        i = end + 1
                     continue
             if line in version.lines:
                 own.append(lines[i])
@@ -186,27 +198,60 @@ class TemplateMatcher:
         coverage = len(seen) / len(version.lines)
         if blocks == 0 or coverage < MIN_COVERAGE:
             return None
-        pieces = [Piece("\n".join(own), "instructions")]
-        pieces += [Piece(d, "document") for d in documents]
+        pieces = [Piece("\n".join(own), "instructions"), *documents]
         if other:
             pieces.append(Piece("\n".join(other), "instructions" if instructions else "user"))
         return coverage, pieces
 
 
-def _documents(body: str) -> list[str]:
-    """A context block's documents: each ``<source ...>...</source>`` element (its attributes,
-    such as a file name, included), and whatever text lies outside them. Linear: str.find."""
-    out: list[str] = []
-    rest: list[str] = []
-    pos = 0
-    while True:
-        start = body.find("<source", pos)
-        end = body.find("</source>", start) if start >= 0 else -1
-        if start < 0 or end < 0:
-            rest.append(body[pos:])
+def _documents(text: str, start: int, end: int) -> list[Piece]:
+    """A context block's documents (``text[start:end]``), each with its span: every
+    ``<source ...>...</source>`` element (its attributes, such as a file name, included), every
+    run of other text between them, and, when there are several, the whole block as well, so a
+    document cut into elements by a ``</source><source>`` of its own is also judged whole.
+    Linear: str.find."""
+    spans: list[tuple[int, int]] = []
+    pos = start
+    while pos < end:
+        open_at = text.find("<source", pos, end)
+        close_at = text.find("</source>", open_at, end) if open_at >= 0 else -1
+        if open_at < 0 or close_at < 0:
+            spans.append(_stripped(text, pos, end))
             break
-        rest.append(body[pos:start])
-        out.append(body[start : end + len("</source>")])
-        pos = end + len("</source>")
-    outside = "\n".join(r.strip() for r in rest if r.strip())
-    return [d for d in out if d.strip()] + ([outside] if outside else [])
+        spans.append(_stripped(text, pos, open_at))
+        spans.append((open_at, close_at + len("</source>")))
+        pos = close_at + len("</source>")
+    spans = [(a, b) for a, b in spans if b > a]
+    pieces = [Piece(text[a:b], "document", (a, b)) for a, b in spans]
+    if len(spans) > 1:
+        a, b = _stripped(text, start, end)
+        pieces.append(Piece(untagged(text[a:b]), "document", (a, b), block=True))
+    return pieces
+
+
+def untagged(text: str) -> str:
+    """``text`` without its ``<source ...>`` and ``</source>`` tags (a tag runs to the next ``>``)."""
+    out, pos = [], 0
+    while True:
+        at = text.find("<source", pos)
+        close = text.find("</source>", pos)
+        if at < 0 and close < 0:
+            return "".join(out) + text[pos:]
+        if close >= 0 and (at < 0 or close < at):
+            out.append(text[pos:close])
+            pos = close + len("</source>")
+            continue
+        end = text.find(">", at)
+        if end < 0:
+            return "".join(out) + text[pos:]
+        out.append(text[pos:at])
+        pos = end + 1
+
+
+def _stripped(text: str, start: int, end: int) -> tuple[int, int]:
+    """The span without the white space at either end."""
+    while start < end and text[start].isspace():
+        start += 1
+    while end > start and text[end - 1].isspace():
+        end -= 1
+    return start, end

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from guardrails.app_templates import Piece, TemplateMatcher
+from guardrails.app_templates import Piece, TemplateMatcher, untagged
 from guardrails.config import GuardrailPolicy, InjectionDetectorKind, InjectionPolicy
 from guardrails.detectors.injection import (
     DEFAULT_ARTIFACT,
@@ -151,39 +151,35 @@ class InputGuard:
             whole = pieces is None  # the embedding (of the whole text) serves only the whole text
             if pieces is None:
                 pieces = [Piece(judged, "instructions" if instructions else "document" if document else "user")]
-            removed: list[str] = []
+            removed: list[tuple[int, int]] = []
             for piece in pieces:
                 if piece.kind != "instructions":
                     doc, emb = piece.kind == "document", embedding if whole else None
+                    # A context block judged whole comes after its elements: without those removed.
+                    judged_piece = untagged(_without(judged, removed, within=piece.span)) if piece.block else piece.text
                     seen.append(
-                        self._run(detector.rail, lambda p=piece.text, e=emb, d=doc: detector.check(p, e, document=d))
+                        self._run(detector.rail, lambda p=judged_piece, e=emb, d=doc: detector.check(p, e, document=d))
                     )
                 elif detector.use_heuristics:
                     seen.append(self._run(detector.rail, lambda p=piece.text: detector.check_heuristics(p)))
                 if (
                     seen
                     and seen[-1].blocked
-                    and not whole
-                    and piece.kind == "document"
-                    and seen[-1].rail == detector.rail
+                    and piece.span is not None
+                    and seen[-1].code is PolicyCode.PROMPT_INJECTION
                 ):
-                    # A template's document is dropped, not the request, as a retrieved passage is.
-                    removed.append(piece.text)
+                    # A template's document is dropped, not the request, as a retrieved passage
+                    # is (a rail error still refuses the request).
+                    removed.append(piece.span)
                     seen.pop()
                 elif seen and seen[-1].blocked:
                     break
             if removed and not (seen and seen[-1].blocked):
-                if not all(element in judged for element in removed):  # cannot happen; fail closed
-                    return Verdict.block(detector.rail, PolicyCode.PROMPT_INJECTION, "a flagged document")
-                for element in removed:
-                    # Every copy: one placed elsewhere in the message (its user text) must not
-                    # be the copy removed while the flagged one stays.
-                    judged = judged.replace(element, REMOVED_DOCUMENT)
                 seen.append(
                     Verdict.redact(
                         detector.rail,
-                        judged,
-                        f"{len(removed)} document(s) of an app template removed",
+                        _without(judged, removed),
+                        "document(s) of an app template removed",
                         code=PolicyCode.PROMPT_INJECTION,
                     )
                 )
@@ -218,6 +214,25 @@ class InputGuard:
 
     def _run(self, rail: str, check: Callable[[], Verdict]) -> Verdict:
         return run_rail(rail, check, fail_open=self.policy.fail_open, metrics=self.metrics)
+
+
+def _without(text: str, spans: list[tuple[int, int]], within: tuple[int, int] | None = None) -> str:
+    """``text`` with each span (overlapping ones merged) replaced by ``REMOVED_DOCUMENT``; with
+    ``within``, only that part of the text, and the spans inside it."""
+    if within is not None:
+        a, b = within
+        return _without(text[a:b], [(x - a, y - a) for x, y in spans if a <= x and y <= b])
+    merged: list[list[int]] = []
+    for a, b in sorted(spans):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    out, pos = [], 0
+    for a, b in merged:
+        out += [text[pos:a], REMOVED_DOCUMENT]
+        pos = b
+    return "".join(out) + text[pos:]
 
 
 def _missing_embedding() -> Verdict:

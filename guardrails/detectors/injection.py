@@ -297,6 +297,7 @@ def embedding_chunks(text: str, max_chars: int = 1000, overlap: int = 100) -> li
 
 # Sentences a document window holds (see ``sentence_windows``).
 DOCUMENT_WINDOW_SENTENCES = 2
+_MIN_UNIT_CHARS = 40
 _STOPS = frozenset(".!?")
 _CJK_STOPS = frozenset("。！？")
 
@@ -321,7 +322,14 @@ def sentence_windows(text: str, size: int = DOCUMENT_WINDOW_SENTENCES) -> list[s
     document can also be scored window by window (``injection.document_windows``): an
     instruction planted in a long, otherwise ordinary document is one sentence among many, and
     its chunk's score is diluted by the rest (README, Guardrails, for what it gains and costs)."""
-    parts = sentences(text)
+    parts: list[str] = []
+    for sentence in sentences(text):
+        # Sentences shorter than _MIN_UNIT_CHARS join the next: a text of many tiny
+        # "sentences" ("a. a. a. ...") has at most one window per _MIN_UNIT_CHARS characters.
+        if parts and len(parts[-1]) < _MIN_UNIT_CHARS:
+            parts[-1] += " " + sentence
+        else:
+            parts.append(sentence)
     if len(parts) <= size:
         return []
     return [" ".join(parts[i : i + size]) for i in range(len(parts) - size + 1)]

@@ -36,8 +36,13 @@ def test_sentences_are_cut_at_stops_and_line_breaks_not_inside_numbers():
         "真的！",
         "ok",
     ]
-    assert sentence_windows("One. Two.") == []  # no longer than a window: the chunk says it all
-    assert sentence_windows("One. Two. Three.") == ["One. Two.", "Two. Three."]
+    one = "The kettle holds 1.7 litres of water when full."
+    two = "It boils a full load in about three minutes."
+    short = "Two years."
+    assert sentence_windows(f"{one} {two}") == []  # no longer than a window: the chunk says it all
+    # A sentence under 40 characters joins the next, so tiny ones cannot multiply the windows.
+    assert sentence_windows(f"{one} {short} {two} {one}") == [f"{one} {short} {two}", f"{short} {two} {one}"]
+    assert len(sentence_windows("a. " * 11_000)) < 33_000 / 40
 
 
 def test_windows_are_off_by_default():
