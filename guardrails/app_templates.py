@@ -28,6 +28,7 @@ changed its default) are tried in turn; the best-covered one is used.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,17 @@ Kind = Literal["instructions", "document", "user"]
 def builtin_names() -> list[str]:
     """Templates shipped in ``guardrails/templates/<name>/`` (one file per known version)."""
     return sorted(p.name for p in BUILTIN_DIR.iterdir() if p.is_dir() and any(p.glob("*.txt")))
+
+
+@functools.cache
+def _builtin(name: str) -> tuple[tuple[str, str], ...]:
+    """A built-in template's versions, (source, text), read once per process: every policy that
+    names it (and every default policy) is validated and built from them."""
+    folder = BUILTIN_DIR / name
+    files = sorted(folder.glob("*.txt")) if folder.is_dir() else []
+    if not files:
+        raise ValueError(f"no built-in app template {name!r} (built-ins: {', '.join(builtin_names())})")
+    return tuple((f"{name}/{f.name}", f.read_text(encoding="utf-8")) for f in files)
 
 
 def _norm(line: str) -> str:
@@ -116,11 +128,7 @@ class TemplateMatcher:
             if text is not None:
                 versions.append((name, text))
                 continue
-            folder = BUILTIN_DIR / name
-            files = sorted(folder.glob("*.txt")) if folder.is_dir() else []
-            if not files:
-                raise ValueError(f"no built-in app template {name!r} (built-ins: {', '.join(builtin_names())})")
-            versions += [(f"{name}/{f.name}", f.read_text(encoding="utf-8")) for f in files]
+            versions += _builtin(name)
         return cls(versions) if versions else None
 
     def split(self, text: str, *, instructions: bool = False) -> list[Piece] | None:
