@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -221,8 +221,7 @@ class Guardrails:
         if not chunks:
             return
         started = time.perf_counter()
-        vectors = self._use_gate(scorer).enqueue(chunks)
-        await asyncio.sleep(0)  # one step: the encode task hands the chunks to its thread
+        vectors = self._use_gate(scorer).enqueue(chunks)  # its thread is already encoding them
         # The character model needs no encoder: it scores on this loop while USE runs in its
         # thread (ONNX Runtime releases the GIL), off the rails' critical path.
         scorer.prime_char(chunks)
@@ -236,10 +235,11 @@ class Guardrails:
         found = self._use_gates.get(id(scorer))
         if found is None or found[0] is not scorer:
 
-            async def encode(chunks: list[str]) -> np.ndarray:
-                # In a worker thread: ONNX Runtime releases the GIL for the whole pass, and the
-                # replica's event loop (which Serve's throughput mode shares) keeps serving.
-                return await asyncio.to_thread(scorer.use_encoder().encode, chunks)
+            def encode(chunks: list[str]) -> Awaitable[np.ndarray]:
+                # In a worker thread, started at once: ONNX Runtime releases the GIL for the
+                # whole pass, and the replica's event loop (which Serve's throughput mode
+                # shares) keeps serving.
+                return asyncio.get_running_loop().run_in_executor(None, scorer.use_encoder().encode, chunks)
 
             found = (scorer, EncodeGate(encode, limit=1, max_size=_USE_BATCH_CHUNKS))
             self._use_gates[id(scorer)] = found

@@ -87,6 +87,10 @@ class EncodeGate:
     A waiting batch joins the next encode whole (never split) while the merged inputs stay
     within ``max_size`` as measured by ``size`` (``len``, or the token measure of
     ``batch_budget``); a batch alone always runs.
+
+    ``run`` is called when an encode starts, inside ``enqueue`` when the gate is free: a ``run``
+    that returns an executor future has its thread encoding before ``enqueue`` returns, where
+    a task would start it a loop step later (behind whatever else the loop has to do).
     """
 
     def __init__(
@@ -123,7 +127,16 @@ class EncodeGate:
                 items, future = self._waiting.popleft()
                 groups.append((items, future))
                 merged += items
-            task = asyncio.get_running_loop().create_task(self._encode(groups, merged))
+            # ``run`` is called here: one that returns a started future (``run_in_executor``)
+            # has its thread working before ``enqueue`` returns; a coroutine starts with the task.
+            try:
+                running = self._run(merged)
+            except Exception as exc:  # could not even start: its waiters hear it, the rest go on
+                for _, future in groups:
+                    if not future.done():
+                        future.set_exception(exc)
+                continue
+            task = asyncio.get_running_loop().create_task(self._encode(groups, running))
             self._running.add(task)
             task.add_done_callback(self._finished)
 
@@ -131,9 +144,11 @@ class EncodeGate:
         self._running.discard(task)
         self._start()
 
-    async def _encode(self, groups: list[tuple[list[QueuedInput], asyncio.Future]], merged: list[QueuedInput]) -> None:
+    async def _encode(
+        self, groups: list[tuple[list[QueuedInput], asyncio.Future]], running: Awaitable[Sequence[np.ndarray]]
+    ) -> None:
         try:
-            vectors = await self._run(merged)
+            vectors = await running
         except BaseException as exc:  # every waiter must hear about it, cancellation included
             for _, future in groups:
                 if not future.done():

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -37,6 +37,11 @@ class TextEmbeddings(Protocol):
     """Embeds short texts, one L2-normalised vector each, truncating over-long ones."""
 
     async def embed(self, texts: Sequence[str]) -> list[np.ndarray]: ...
+
+    def start(self, texts: Sequence[str]) -> Awaitable[list[np.ndarray]]:
+        """``embed``, begun before this returns as far as it can be (the search calls it
+        beside other work, and awaits it later)."""
+        ...
 
 
 class LocalEmbeddings:
@@ -62,24 +67,28 @@ class LocalEmbeddings:
             return found
 
     async def embed(self, texts: Sequence[str]) -> list[np.ndarray]:
-        if not texts:
-            return []
-        now = time.perf_counter()
+        return await self.start(texts)
 
-        def tokenized() -> list[QueuedInput]:
-            return [QueuedInput(self._encoder.token_ids(t, truncate=True), now) for t in texts]
-
+    def start(self, texts: Sequence[str]) -> Awaitable[list[np.ndarray]]:
         # Tokenizing a text the rails send (at most ~1000 characters, see embedding_chunks) or a
-        # short search query takes ~0.1 ms: inline, no thread hop. A long query (a pasted
+        # short search query takes ~0.05 ms: inline, and the encode's thread starts before this
+        # returns (``EncodeGate.enqueue``), not a loop step or two later. A long query (a pasted
         # document as the last user message) is tokenized whole before it is cut to the
         # window: in a thread, so the replica's event loop keeps serving.
-        long = sum(len(t) for t in texts) > _INLINE_TOKENIZE_CHARS
-        return await self._gate.submit(await asyncio.to_thread(tokenized) if long else tokenized())
+        if sum(len(t) for t in texts) > _INLINE_TOKENIZE_CHARS:
+            return asyncio.ensure_future(self._embed_long(texts))
+        return self._gate.enqueue(self._tokenized(texts))
 
-    async def _encode(self, items: list[QueuedInput]) -> list[np.ndarray]:
-        # In a worker thread: ONNX Runtime releases the GIL, the replica keeps serving.
-        vectors = await asyncio.to_thread(self._encoder.encode_ids, [i.ids for i in items])
-        return list(vectors)
+    def _tokenized(self, texts: Sequence[str]) -> list[QueuedInput]:
+        now = time.perf_counter()
+        return [QueuedInput(self._encoder.token_ids(t, truncate=True), now) for t in texts]
+
+    async def _embed_long(self, texts: Sequence[str]) -> list[np.ndarray]:
+        return await self._gate.enqueue(await asyncio.to_thread(self._tokenized, texts))
+
+    def _encode(self, items: list[QueuedInput]) -> Awaitable[np.ndarray]:
+        # In a worker thread, started now: ONNX Runtime releases the GIL, the replica keeps serving.
+        return asyncio.get_running_loop().run_in_executor(None, self._encoder.encode_ids, [i.ids for i in items])
 
 
 class SharedEmbeddings:
@@ -94,3 +103,6 @@ class SharedEmbeddings:
         # One call per text so the embedding deployment's @serve.batch can group them.
         # truncate: a chunk of ~1000 characters of code can exceed the 256-token window.
         return await gather_responses([self._embedder.embed.remote(t, truncate=True) for t in texts])
+
+    def start(self, texts: Sequence[str]) -> Awaitable[list[np.ndarray]]:
+        return asyncio.ensure_future(self.embed(texts))

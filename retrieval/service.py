@@ -439,7 +439,7 @@ class Retriever:
         # anything to search, its encoding starts now, beside the catch-up with other replicas'
         # writes (a thread hop), as ``_current`` does for the other methods. What is searched
         # is decided on the caught-up view.
-        early = asyncio.ensure_future(self._queries.embed([query])) if self._stores.holds_chunks() else None
+        early = asyncio.ensure_future(self._queries.start([query])) if self._stores.holds_chunks() else None
         try:
             await asyncio.to_thread(self._shared.sync)
             policy = policy_stores(self._stores, string_list(policy_collections, "policy_collections"))

@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
+from array import array
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -150,9 +153,16 @@ class InjectionEnsemble:
         # character-model P(injection) (``prime_char``).
         self._primed = _Primed()
         self._primed_char = _Primed()
-        # Raw counts: scoring divides by their norm itself (sklearn's `normalize`, with its
-        # argument checks, was a third of the character model's time on a short text).
+        # Serving counts the vectorizer's n-grams itself (``_char_logit``); the vectorizer gives
+        # them (its analyzer) and its bucket count.
         self._char = char_vectorizer(norm=None) if "char" in self.components else None
+        if self._char is not None:
+            from sklearn.utils import murmurhash3_32
+
+            self._char_hash = murmurhash3_32
+            self._char_grams = self._char.build_analyzer()
+            # float64 copies of the weights, read one at a time as Python floats (``_char_logit``).
+            self._char_w = array("d", np.asarray(self.char_weights, dtype=np.float64).tobytes())
         for weights in (self.stack_weights, self.doc_stack_weights):
             if weights is not None and len(weights) != len(self.components):
                 raise ValueError("one stacking weight per component")
@@ -239,11 +249,25 @@ class InjectionEnsemble:
 
     def score_char(self, texts: list[str]) -> np.ndarray:
         assert self._char is not None and self.char_weights is not None
-        counts = self._char.transform(texts).tocsr()
-        rows = np.repeat(np.arange(counts.shape[0]), np.diff(counts.indptr))
-        norms = np.sqrt(np.bincount(rows, weights=counts.data.astype(np.float64) ** 2, minlength=counts.shape[0]))
-        raw = np.asarray(counts @ self.char_weights, dtype=np.float64).ravel()
-        return _sigmoid(raw / np.where(norms > 0, norms, 1.0) + self.char_bias)
+        return _sigmoid(np.array([self._char_logit(t) for t in texts], dtype=np.float64) + self.char_bias)
+
+    def _char_logit(self, text: str) -> float:
+        """The character model's raw logit of one text: the weights of its hashed n-gram
+        counts over their L2 norm, the buckets exactly as ``HashingVectorizer`` makes them
+        (sklearn's signed murmurhash3 of each n-gram's UTF-8, ``abs() % n_features``).
+
+        In Python on purpose: the vectorizer's sparse matrix cost 0.34 ms for a short text and
+        its scipy steps release the GIL several times, each a chance for an encoder's thread to
+        take it while the event loop waits; this is 0.07 ms and never lets go."""
+        assert self._char is not None
+        n = self._char.n_features
+        buckets: dict[int, int] = {}
+        for h, count in Counter(map(self._char_hash, self._char_grams(text))).items():
+            i = (2147483647 - (n - 1)) % n if h == -2147483648 else abs(h) % n
+            buckets[i] = buckets.get(i, 0) + count
+        norm = math.sqrt(sum(c * c for c in buckets.values()))
+        weights = self._char_w
+        return sum(weights[i] * c for i, c in buckets.items()) / norm if norm else 0.0
 
     def prime_chunks(self, texts: list[str], windows: list[bool] | None = None) -> list[str]:
         """The folded chunks whose USE vectors scoring ``texts`` will need (what their encoded

@@ -75,6 +75,33 @@ def test_over_long_input_is_detected_or_truncated(encoder):
     np.testing.assert_allclose(truncated[1], just_fits[0], atol=1e-5)
 
 
+def test_token_ids_are_the_wrappers_ids(encoder):
+    """``token_ids`` reads its own copy of the Rust tokenizer; the ids, truncated or not, are
+    those transformers' wrapper gives (which also sets truncation on its backend as it goes)."""
+    wrapper = encoder._tokenizer
+    texts = [
+        *SENTENCES,
+        "x",
+        "  spaces\tand\nnewlines  ",
+        "Ünïcödé, 中文, русский, नमस्ते, emoji 🙂",
+        "word " * 254,
+        "word " * 255,
+        "antidisestablishmentarianism " * 400,
+    ]
+    for text in texts:
+        wrapper(text, truncation=True, max_length=8)  # leaves state on the wrapper's backend
+        for truncate in (False, True):
+            want = wrapper(
+                text,
+                add_special_tokens=True,
+                truncation=truncate,
+                max_length=encoder.max_tokens if truncate else None,
+                verbose=False,
+            )["input_ids"]
+            assert encoder.token_ids(text, truncate=truncate) == list(want), (text[:30], truncate)
+    assert len(encoder.token_ids("word " * 300, truncate=True)) == encoder.max_tokens
+
+
 def test_chunks_from_real_tokens_fit_the_encoder(encoder):
     text = "\n\n".join(" ".join(SENTENCES[(p + s) % 5] for s in range(12)) for p in range(6))
     config = ChunkingConfig(max_chunk_size_tokens=60, chunk_overlap_tokens=10)

@@ -227,3 +227,39 @@ def test_encode_gate_merges_batches_that_wait():
         assert calls[-2:] == [1, 1]
 
     asyncio.run(scenario())
+
+
+def test_encode_gate_starts_a_free_encode_inside_enqueue_and_reports_a_failed_start():
+    """A ``run`` returning an executor future has its thread started before ``enqueue``
+    returns (no loop step in between); a ``run`` that raises at once fails its own waiters
+    and the gate goes on with the next batch."""
+    import asyncio
+    import threading
+
+    import numpy as np
+
+    from retrieval.embedding_deployment import EncodeGate
+
+    started = threading.Event()
+
+    def run(items):
+        if items[0].ids == [-1]:
+            raise RuntimeError("cannot start")
+
+        def work():
+            started.set()
+            return np.array([[float(i.ids[0])] for i in items])
+
+        return asyncio.get_running_loop().run_in_executor(None, work)
+
+    async def scenario():
+        gate = EncodeGate(run, limit=1, max_size=4)
+        future = gate.enqueue([QueuedInput([3], 0.0)])
+        # No await since enqueue: only a thread started inside it can have run.
+        assert started.wait(5)
+        assert [float(v[0]) for v in await future] == [3.0]
+        with pytest.raises(RuntimeError, match="cannot start"):
+            await gate.enqueue([QueuedInput([-1], 0.0)])
+        assert [float(v[0]) for v in await gate.enqueue([QueuedInput([4], 0.0)])] == [4.0]
+
+    asyncio.run(scenario())
