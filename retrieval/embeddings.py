@@ -75,6 +75,10 @@ class LocalEmbeddings:
         # returns (``EncodeGate.enqueue``), not a loop step or two later. A long query (a pasted
         # document as the last user message) is tokenized whole before it is cut to the
         # window: in a thread, so the replica's event loop keeps serving.
+        if not texts:
+            done = asyncio.get_running_loop().create_future()
+            done.set_result([])
+            return done
         if sum(len(t) for t in texts) > _INLINE_TOKENIZE_CHARS:
             return asyncio.ensure_future(self._embed_long(texts))
         return self._gate.enqueue(self._tokenized(texts))
