@@ -6,6 +6,7 @@ and ``Deferred``, how every series of ours reaches Ray: recorded by a background
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import Counter, deque
@@ -125,7 +126,9 @@ class Deferred:
     samples were inside ``record``, mostly taking the GIL back. Here the caller only appends to a
     deque (no GIL release), and the recorder thread makes the records every
     ``Recorder.interval_s``, far inside Ray's export interval. The records and their tags are
-    the same; only when they are made moves."""
+    the same; only when they are made moves. Tags are taken as given: a Serve metric fills a
+    missing ``route`` tag from the request context, which the recorder thread does not have,
+    so a series with a ``route`` tag must be passed it (every one of ours is)."""
 
     __slots__ = ("_metric",)
 
@@ -154,6 +157,8 @@ class Recorder:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self.dropped = 0
+        # A child forked after the first record has no recorder thread: it starts its own.
+        os.register_at_fork(after_in_child=self._forget_thread)
 
     def put(self, call: Callable[..., None], value: float, tags: dict[str, str] | None) -> None:
         if len(self._pending) == self._pending.maxlen:
@@ -173,8 +178,9 @@ class Recorder:
                 return
             try:
                 call(value, tags=tags)
-            except Exception as exc:  # a bad record must not stop the others
-                logger.error("metrics: a record failed: %s", type(exc).__name__)
+            except Exception as exc:  # a bad record must not stop the others (tags, not text)
+                name = getattr(getattr(call, "__self__", None), "_name", "?")
+                logger.error("metrics: a record of %s failed: %r", name, exc)
 
     def _start(self) -> None:
         with self._lock:
@@ -182,6 +188,10 @@ class Recorder:
                 thread = threading.Thread(target=self._run, name="gateway-metrics-recorder", daemon=True)
                 thread.start()
                 self._thread = thread
+
+    def _forget_thread(self) -> None:
+        self._thread = None
+        self._lock = threading.Lock()
 
     def _run(self) -> None:
         while True:

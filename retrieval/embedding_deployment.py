@@ -119,14 +119,25 @@ class EncodeGate:
         self._start()
         return future
 
+    def _drop_abandoned(self) -> None:
+        """Batches at the head whose waiter is gone (a search cancelled: its rails refused)
+        are not encoded."""
+        while self._waiting and self._waiting[0][1].done():
+            self._waiting.popleft()
+
     def _start(self) -> None:
-        while len(self._running) < self._limit and self._waiting:
+        while len(self._running) < self._limit:
+            self._drop_abandoned()
+            if not self._waiting:
+                return
             groups = [self._waiting.popleft()]
             merged = list(groups[0][0])
+            self._drop_abandoned()
             while self._waiting and self._size(merged + self._waiting[0][0]) <= self._max_size:
                 items, future = self._waiting.popleft()
                 groups.append((items, future))
                 merged += items
+                self._drop_abandoned()
             # ``run`` is called here: one that returns a started future (``run_in_executor``)
             # has its thread working before ``enqueue`` returns; a coroutine starts with the task.
             try:

@@ -203,22 +203,27 @@ class SentenceEncoder:
         (callers compare ``len`` with ``max_tokens``).
         """
         _check_texts([text])
-        if self._rust is None:
-            enc = self._tokenizer(
-                text,
-                add_special_tokens=True,
-                truncation=truncate,
-                max_length=self.max_tokens if truncate else None,
-                verbose=False,
-            )
-            return list(enc["input_ids"])
-        ids = self._rust.encode(text, add_special_tokens=True).ids
-        if truncate and len(ids) > self.max_tokens:
-            # As the wrapper truncates one text: the text's own tokens, then its special tokens.
+        if self._rust is not None:
+            ids = self._rust.encode(text, add_special_tokens=True).ids
+            if not truncate or len(ids) <= self.max_tokens:
+                return ids
+            # As the wrapper truncates one text: the text's own tokens from its truncation side,
+            # then its special tokens. Anything else (a window smaller than the special
+            # tokens) is left to the wrapper.
             prefix, suffix = self._affixes()
-            body = ids[len(prefix) : len(ids) - len(suffix)]
-            ids = [*prefix, *body[: self.max_tokens - len(prefix) - len(suffix)], *suffix]
-        return ids
+            keep = self.max_tokens - len(prefix) - len(suffix)
+            side = getattr(self._tokenizer, "truncation_side", "right")
+            if keep > 0 and side in ("right", "left"):
+                body = ids[len(prefix) : len(ids) - len(suffix)]
+                return [*prefix, *(body[:keep] if side == "right" else body[len(body) - keep :]), *suffix]
+        enc = self._tokenizer(
+            text,
+            add_special_tokens=True,
+            truncation=truncate,
+            max_length=self.max_tokens if truncate else None,
+            verbose=False,
+        )
+        return list(enc["input_ids"])
 
     def with_special_tokens(self, ids: Sequence[int]) -> list[int]:
         """Wrap bare token ids the way the tokenizer wraps one text ([CLS] ... [SEP] for BERT)."""

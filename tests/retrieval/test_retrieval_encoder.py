@@ -102,6 +102,21 @@ def test_token_ids_are_the_wrappers_ids(encoder):
     assert len(encoder.token_ids("word " * 300, truncate=True)) == encoder.max_tokens
 
 
+def test_token_ids_truncate_from_the_tokenizers_side():
+    """A tokenizer that truncates on the left keeps a long text's last tokens, as the wrapper
+    does; a window smaller than the special tokens is the wrapper's business too."""
+    left = SentenceEncoder(MODEL_DIR, max_tokens=8)
+    left._tokenizer.truncation_side = "left"
+    text = " ".join(["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"])
+    want = left._tokenizer(text, truncation=True, max_length=8)["input_ids"]
+    assert left.token_ids(text, truncate=True) == list(want)
+    assert left._tokenizer.decode(want[1:-1]) == "five six seven eight nine ten"
+    tiny = SentenceEncoder(MODEL_DIR, max_tokens=1)
+    assert tiny.token_ids(text, truncate=True) == list(
+        tiny._tokenizer(text, truncation=True, max_length=1)["input_ids"]
+    )
+
+
 def test_chunks_from_real_tokens_fit_the_encoder(encoder):
     text = "\n\n".join(" ".join(SENTENCES[(p + s) % 5] for s in range(12)) for p in range(6))
     config = ChunkingConfig(max_chunk_size_tokens=60, chunk_overlap_tokens=10)

@@ -241,10 +241,12 @@ def test_encode_gate_starts_a_free_encode_inside_enqueue_and_reports_a_failed_st
     from retrieval.embedding_deployment import EncodeGate
 
     started = threading.Event()
+    encoded: list[int] = []
 
     def run(items):
         if items[0].ids == [-1]:
             raise RuntimeError("cannot start")
+        encoded.extend(i.ids[0] for i in items)
 
         def work():
             started.set()
@@ -261,5 +263,12 @@ def test_encode_gate_starts_a_free_encode_inside_enqueue_and_reports_a_failed_st
         with pytest.raises(RuntimeError, match="cannot start"):
             await gate.enqueue([QueuedInput([-1], 0.0)])
         assert [float(v[0]) for v in await gate.enqueue([QueuedInput([4], 0.0)])] == [4.0]
+        # A batch whose waiter was cancelled while it queued is not encoded.
+        busy = gate.enqueue([QueuedInput([5], 0.0)])
+        gone, kept = gate.enqueue([QueuedInput([6], 0.0)]), gate.enqueue([QueuedInput([7], 0.0)])
+        gone.cancel()
+        await busy
+        assert [float(v[0]) for v in await kept] == [7.0]
+        assert 6 not in encoded
 
     asyncio.run(scenario())
