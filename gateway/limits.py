@@ -29,7 +29,7 @@ from gateway.auth import Principal
 from gateway.errors import UNAVAILABLE, APIError
 from gateway.limiter import INSUFFICIENT_QUOTA, Ask, ScopeAsk, Settlement, Verdict, Window
 from gateway.limiter_config import KeyLimits, LimitsSettings
-from guardrails.metrics import Deferred
+from guardrails.metrics import counter
 
 logger = logging.getLogger(__name__)
 
@@ -128,27 +128,21 @@ class RequestLimits:
         lifetime_s: float | None = None,
     ):
         """``lifetime_s``: the longest a request can last; its lease expires after that."""
-        from ray.serve.metrics import Counter
-
         self._settings = settings
         self._lifetime_s = lifetime_s
         self._limiter = limiter
         self._resolve = resolve
         self._max_bytes = max_request_bytes
         self._pending: set[asyncio.Task] = set()
-        self._refusals = Deferred(
-            Counter(
-                "gateway_limit_refusals",
-                description="Requests refused by a per-key limit (429), by limit and key.",
-                tag_keys=("limit", "principal"),
-            )
+        self._refusals = counter(
+            "gateway_limit_refusals",
+            description="Requests refused by a per-key limit (429), by limit and key.",
+            tag_keys=("limit", "principal"),
         )
-        self._failures = Deferred(
-            Counter(
-                "gateway_limiter_failures",
-                description="Limiter calls that failed or timed out, by what was done (open: served; closed: 503).",
-                tag_keys=("outcome",),
-            )
+        self._failures = counter(
+            "gateway_limiter_failures",
+            description="Limiter calls that failed or timed out, by what was done (open: served; closed: 503).",
+            tag_keys=("outcome",),
         )
         self._last_failure_log = 0.0
         if limiter is not None:

@@ -35,7 +35,7 @@ import orjson
 from ray import serve
 
 from gateway.errors import UNAVAILABLE, JSONBytesResponse
-from guardrails.metrics import Deferred
+from guardrails.metrics import counter, histogram
 
 logger = logging.getLogger(__name__)
 
@@ -57,84 +57,62 @@ class GatewayMetrics:
     """The ingress's series (created inside the replica, so Serve's tags are filled in)."""
 
     def __init__(self) -> None:
-        from ray.serve.metrics import Counter, Histogram
-
-        self.requests = Deferred(
-            Counter(
-                "gateway_requests",
-                description="Requests by route, model, HTTP status and error code ('' when none).",
-                tag_keys=("route", "model", "status", "code"),
-            )
+        self.requests = counter(
+            "gateway_requests",
+            description="Requests by route, model, HTTP status and error code ('' when none).",
+            tag_keys=("route", "model", "status", "code"),
         )
-        self.latency = Deferred(
-            Histogram(
-                "gateway_request_latency_ms",
-                description="End-to-end latency in the ingress, arrival to last byte sent.",
-                boundaries=_LATENCY_MS,
-                tag_keys=("route", "model", "stream"),
-            )
+        self.latency = histogram(
+            "gateway_request_latency_ms",
+            description="End-to-end latency in the ingress, arrival to last byte sent.",
+            boundaries=_LATENCY_MS,
+            tag_keys=("route", "model", "stream"),
         )
-        self.ttft = Deferred(
-            Histogram(
-                "gateway_time_to_first_token_ms",
-                description="Streams: arrival to the first generated output sent to the client.",
-                boundaries=_LATENCY_MS,
-                tag_keys=("route", "model"),
-            )
+        self.ttft = histogram(
+            "gateway_time_to_first_token_ms",
+            description="Streams: arrival to the first generated output sent to the client.",
+            boundaries=_LATENCY_MS,
+            tag_keys=("route", "model"),
         )
-        self.tpot = Deferred(
-            Histogram(
-                "gateway_time_per_output_token_ms",
-                description="Streams: (last output - first output) / (output tokens - 1), as the client sees it.",
-                boundaries=_TPOT_MS,
-                tag_keys=("route", "model"),
-            )
+        self.tpot = histogram(
+            "gateway_time_per_output_token_ms",
+            description="Streams: (last output - first output) / (output tokens - 1), as the client sees it.",
+            boundaries=_TPOT_MS,
+            tag_keys=("route", "model"),
         )
-        self.tokens = Deferred(
-            Counter(
-                "gateway_tokens",
-                description="Tokens by model and direction (prompt, completion), from the engine's usage.",
-                tag_keys=("model", "direction"),
-            )
+        self.tokens = counter(
+            "gateway_tokens",
+            description="Tokens by model and direction (prompt, completion), from the engine's usage.",
+            tag_keys=("model", "direction"),
         )
-        self.streams_cut = Deferred(
-            Counter(
-                "gateway_streams_cut",
-                description="Answers an output rail cut (finish_reason content_filter).",
-                tag_keys=("route", "model"),
-            )
+        self.streams_cut = counter(
+            "gateway_streams_cut",
+            description="Answers an output rail cut (finish_reason content_filter).",
+            tag_keys=("route", "model"),
         )
-        self.overhead = Deferred(
-            Histogram(
-                "gateway_overhead_ms",
-                description="Milliseconds outside the engine until the response started (the x-gateway-overhead-ms header).",
-                boundaries=_OVERHEAD_MS,
-                tag_keys=("route", "model", "stream"),
-            )
+        self.overhead = histogram(
+            "gateway_overhead_ms",
+            description="Milliseconds outside the engine until the response started (the x-gateway-overhead-ms header).",
+            boundaries=_OVERHEAD_MS,
+            tag_keys=("route", "model", "stream"),
         )
-        self.stream_per_token = Deferred(
-            Histogram(
-                "gateway_stream_overhead_per_token_ms",
-                description="Streams: the gateway's own time relaying the engine's chunks, per output token.",
-                boundaries=_PER_TOKEN_MS,
-                tag_keys=("model",),
-            )
+        self.stream_per_token = histogram(
+            "gateway_stream_overhead_per_token_ms",
+            description="Streams: the gateway's own time relaying the engine's chunks, per output token.",
+            boundaries=_PER_TOKEN_MS,
+            tag_keys=("model",),
         )
-        self.holdback = Deferred(
-            Histogram(
-                "gateway_output_rail_holdback_ms",
-                description="Streams with output rails: first generated output from the engine to its release.",
-                boundaries=_STAGE_MS,
-                tag_keys=("model",),
-            )
+        self.holdback = histogram(
+            "gateway_output_rail_holdback_ms",
+            description="Streams with output rails: first generated output from the engine to its release.",
+            boundaries=_STAGE_MS,
+            tag_keys=("model",),
         )
-        self.stage = Deferred(
-            Histogram(
-                "gateway_stage_latency_ms",
-                description="Stages seen from the ingress (including Serve's hop): input_rails, retrieval_search, passage_check.",
-                boundaries=_STAGE_MS,
-                tag_keys=("stage", "model"),
-            )
+        self.stage = histogram(
+            "gateway_stage_latency_ms",
+            description="Stages seen from the ingress (including Serve's hop): input_rails, retrieval_search, passage_check.",
+            boundaries=_STAGE_MS,
+            tag_keys=("stage", "model"),
         )
 
     def observe(self, stats: RequestStats, route: str, status: int, code: str) -> None:

@@ -82,25 +82,19 @@ class ExportedRailMetrics(RailMetrics):
 
     def __init__(self) -> None:
         super().__init__()
-        from ray.serve.metrics import Counter, Histogram
-
-        self._verdicts = Deferred(
-            Counter(
-                "gateway_guardrail_verdicts",
-                description="Guardrail verdicts by rail and outcome.",
-                tag_keys=("rail", "outcome"),
-            )
+        self._verdicts = counter(
+            "gateway_guardrail_verdicts",
+            description="Guardrail verdicts by rail and outcome.",
+            tag_keys=("rail", "outcome"),
         )
-        self._errors = Deferred(
-            Counter("gateway_guardrail_errors", description="Exceptions raised inside guardrails.", tag_keys=("rail",))
+        self._errors = counter(
+            "gateway_guardrail_errors", description="Exceptions raised inside guardrails.", tag_keys=("rail",)
         )
-        self._latency = Deferred(
-            Histogram(
-                "gateway_rail_latency_ms",
-                description="Time in each input rail per text (and 'embedding': encoding the texts).",
-                boundaries=_RAIL_MS,
-                tag_keys=("rail",),
-            )
+        self._latency = histogram(
+            "gateway_rail_latency_ms",
+            description="Time in each input rail per text (and 'embedding': encoding the texts).",
+            boundaries=_RAIL_MS,
+            tag_keys=("rail",),
         )
 
     def record_verdict(self, verdict: Verdict) -> None:
@@ -143,6 +137,21 @@ class Deferred:
 
     def set(self, value: float, tags: dict[str, str] | None = None) -> None:
         RECORDER.put(self._metric.set, value, tags)
+
+
+def counter(name: str, description: str, tag_keys: tuple[str, ...]) -> Deferred:
+    """A ``ray.serve.metrics.Counter`` recorded through the recorder thread (``Deferred``):
+    how every counter of ours is made. Create it inside a replica (Serve's tags)."""
+    from ray.serve.metrics import Counter
+
+    return Deferred(Counter(name, description=description, tag_keys=tag_keys))
+
+
+def histogram(name: str, description: str, boundaries: list[float], tag_keys: tuple[str, ...]) -> Deferred:
+    """A ``ray.serve.metrics.Histogram`` recorded through the recorder thread (``Deferred``)."""
+    from ray.serve.metrics import Histogram
+
+    return Deferred(Histogram(name, description=description, boundaries=boundaries, tag_keys=tag_keys))
 
 
 class Recorder:
