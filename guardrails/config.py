@@ -138,8 +138,11 @@ class InjectionPolicy(StrictModel):
     # Templates whose own lines are an app's instructions, not its user's: a message written
     # from one is judged in parts (template lines by the heuristics, its context block as
     # documents, every other line as a user turn). Needs a scorer that reads text, not a
-    # MiniLM embedding of the whole message. Default: Open WebUI's RAG template ([] turns it off).
-    app_templates: list[AppTemplate] = Field(default_factory=lambda: [AppTemplate(name="open_webui_rag")])
+    # MiniLM embedding of the whole message. Default: Open WebUI's RAG and autocompletion
+    # templates ([] turns them off).
+    app_templates: list[AppTemplate] = Field(
+        default_factory=lambda: [AppTemplate(name="open_webui_rag"), AppTemplate(name="open_webui_autocomplete")]
+    )
     # Documents are also scored two sentences at a time, so an instruction planted in a long
     # document is not diluted by the rest: more planted instructions caught, and more benign
     # documents dropped (README, Guardrails, has both). Ensemble scorer only.

@@ -23,7 +23,7 @@ from guardrails.config import GuardrailPolicy, InjectionDetectorKind
 from guardrails.detectors.injection import DEFAULT_ARTIFACT, InjectionScorer, embedding_chunks
 from guardrails.detectors.injection_ensemble import InjectionEnsemble, load_scorer
 from guardrails.detectors.topics import TopicMatcher
-from guardrails.input_rail import InputGuard
+from guardrails.input_rail import InputGuard, ScoredText
 from guardrails.metrics import ExportedRailMetrics
 from guardrails.verdict import PolicyCode, Verdict, VerdictCache, policy_version
 from retrieval.config import EmbeddingModelConfig
@@ -36,6 +36,8 @@ logger = logging.getLogger(__name__)
 _INLINE_RAIL_CHARS = 8192
 # Chunks (of at most ~1000 characters) the multilingual encoder takes in one call at most.
 _USE_BATCH_CHUNKS = 64
+# ...and e5, the second stage (its cost is per token: a large batch only makes its turns wait).
+_E5_BATCH_CHUNKS = 8
 
 
 def _check_all(
@@ -97,7 +99,7 @@ class Guardrails:
         self._topics: dict[str, TopicMatcher] = {}
         self._guards: dict[str, tuple[GuardrailPolicy, InputGuard]] = {}
         self._verdicts = VerdictCache()
-        self._use_gates: dict[int, tuple[InjectionEnsemble, EncodeGate]] = {}
+        self._gates: dict[tuple[int, str], tuple[InjectionEnsemble, EncodeGate]] = {}
         self.metrics = ExportedRailMetrics()
 
     async def check_input(
@@ -180,7 +182,7 @@ class Guardrails:
     ) -> list[Verdict]:
         # The ensemble's multilingual encoder needs only the text: it encodes while the MiniLM
         # vectors are computed (when a rail reads them), together with concurrent requests'
-        # texts (``_use_gate``).
+        # texts (``_gate``).
         scorer = guard.injection.scorer if guard.injection else None
         batched = hasattr(scorer, "prime_chunks")
         if batched:
@@ -216,33 +218,44 @@ class Guardrails:
             return await asyncio.to_thread(_check_all, guard, texts, embeddings, flags, deadline)
         return _check_all(guard, texts, embeddings, flags, deadline)
 
-    async def _prime(self, guard: InputGuard, scorer: InjectionEnsemble, scored: list[tuple[str, bool]]) -> None:
-        chunks = scorer.prime_chunks([t for t, _ in scored], [d for _, d in scored])
+    async def _prime(self, guard: InputGuard, scorer: InjectionEnsemble, scored: list[ScoredText]) -> None:
+        chunks = scorer.prime_chunks([s.text for s in scored], [s.windows for s in scored])
         if not chunks:
             return
         started = time.perf_counter()
-        vectors = self._use_gate(scorer).enqueue(chunks)  # its thread is already encoding them
+        vectors = self._gate(scorer, "use").enqueue(chunks)  # its thread is already encoding them
         # The character model needs no encoder: it scores on this loop while USE runs in its
         # thread (ONNX Runtime releases the GIL), off the rails' critical path.
         scorer.prime_char(chunks)
         scorer.store_primed(chunks, np.stack(await vectors))
         guard.metrics.record_latency("injection_encoder", time.perf_counter() - started)
+        # The second stage's e5 pass, for the chat turns' chunks the first stage did not score
+        # as clearly benign: 20-400 ms of CPU a chunk, so in its thread too, never on the loop.
+        hot = scorer.cascade_chunks([s.text for s in scored if s.turn])
+        if hot:
+            started = time.perf_counter()
+            scorer.store_primed_e5(hot, np.stack(await self._gate(scorer, "e5").enqueue(hot)))
+            guard.metrics.record_latency("injection_second_stage", time.perf_counter() - started)
 
-    def _use_gate(self, scorer: InjectionEnsemble) -> EncodeGate:
-        """One encode at a time per scorer, in a thread; chunks that arrive meanwhile are
-        encoded together in the next call. USE's pass streams its 3.4 MB of 8-bit weights once
-        per call, so under load much of a text's encoding cost is shared."""
-        found = self._use_gates.get(id(scorer))
+    def _gate(self, scorer: InjectionEnsemble, encoder: str) -> EncodeGate:
+        """One encode at a time per scorer and encoder, in a thread; chunks that arrive
+        meanwhile are encoded together in the next call. USE's pass streams its 3.4 MB of 8-bit
+        weights once per call, so under load much of a text's encoding cost is shared; e5's
+        cost is per token, and its batches are small so that one long chunk does not hold up
+        many short turns."""
+        found = self._gates.get((id(scorer), encoder))
         if found is None or found[0] is not scorer:
+            model = scorer.use_encoder() if encoder == "use" else scorer.e5_encoder()
 
             def encode(chunks: list[str]) -> Awaitable[np.ndarray]:
-                # In a worker thread, started at once: ONNX Runtime releases the GIL for the
+                # In a worker thread, started at once: both engines release the GIL for the
                 # whole pass, and the replica's event loop (which Serve's throughput mode
                 # shares) keeps serving.
-                return asyncio.get_running_loop().run_in_executor(None, scorer.use_encoder().encode, chunks)
+                return asyncio.get_running_loop().run_in_executor(None, model.encode, chunks)
 
-            found = (scorer, EncodeGate(encode, limit=1, max_size=_USE_BATCH_CHUNKS))
-            self._use_gates[id(scorer)] = found
+            size = _USE_BATCH_CHUNKS if encoder == "use" else _E5_BATCH_CHUNKS
+            found = (scorer, EncodeGate(encode, limit=1, max_size=size))
+            self._gates[(id(scorer), encoder)] = found
         return found[1]
 
     async def _embed_chunked(self, texts: Sequence[str]) -> list[np.ndarray]:
@@ -299,7 +312,7 @@ class Guardrails:
             return self._hf_scorers[path]
         if injection.classifier_path and injection.classifier_path != self._classifier_path:
             # Kept per path, as the HF classifiers are: a policy edit does not reload the
-            # artifact, and the scorers (and their encode gates, ``_use_gate``) stay bounded.
+            # artifact, and the scorers (and their encode gates, ``_gate``) stay bounded.
             if injection.classifier_path not in self._scorers:
                 self._scorers[injection.classifier_path] = load_scorer(injection.classifier_path)
             return self._scorers[injection.classifier_path]

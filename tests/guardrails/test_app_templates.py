@@ -45,8 +45,8 @@ def plain(scorer) -> InputGuard:
 
 
 def test_open_webui_ships_its_template_versions_and_is_on_by_default():
-    assert "open_webui_rag" in builtin_names() and len(VERSIONS) == 3
-    assert [t.name for t in GuardrailPolicy().injection.app_templates] == ["open_webui_rag"]
+    assert {"open_webui_rag", "open_webui_autocomplete"} <= set(builtin_names()) and len(VERSIONS) == 3
+    assert [t.name for t in GuardrailPolicy().injection.app_templates] == ["open_webui_rag", "open_webui_autocomplete"]
 
 
 @pytest.mark.parametrize("version", sorted(VERSIONS))
@@ -178,12 +178,13 @@ def test_pii_is_still_checked_over_the_whole_message(guard):
 def test_the_deployment_primes_the_pieces_it_will_score(guard):
     text = compose(VERSIONS["v2_id"], [FACT], "How long does it take to boil?")
     scored = guard.scored_texts(text)
-    # (text, also scored by sentence windows): documents would be, with injection.document_windows.
+    # (text, also scored by sentence windows, a chat turn): documents would be windowed with
+    # injection.document_windows; the question is the turn the second stage may read.
     assert scored == [
-        (f'<source id="1" name="doc1.txt">{FACT}</source>', False),
-        ("How long does it take to boil?", False),
+        (f'<source id="1" name="doc1.txt">{FACT}</source>', False, False),
+        ("How long does it take to boil?", False, True),
     ]
-    assert guard.scored_texts("hello there") == [("hello there", False)]
+    assert guard.scored_texts("hello there") == [("hello there", False, True)]
     assert guard.scored_texts("You are a helpful assistant.", instructions=True) == []
 
 

