@@ -81,28 +81,45 @@ class UseEncoder:
 
 
 class Primed:
-    """Values computed ahead for chunks, each taken once by scoring; once more than
-    ``_PRIMED_MAX`` wait unused (their requests ended before scoring), they are dropped."""
+    """Values computed ahead for chunks, each put value taken once by scoring: a chunk put twice
+    (the same text in two concurrent requests, or twice in one) is there for two takes, so no
+    scoring finds its value gone and computes it on the event loop. Once more than
+    ``_PRIMED_MAX`` chunks wait unused (their requests ended before scoring), all are dropped."""
 
     def __init__(self) -> None:
-        self._values: dict[str, Any] = {}
+        self._values: dict[str, tuple[Any, int]] = {}
         self._lock = threading.Lock()
 
     def put(self, chunks: list[str], values) -> None:
         with self._lock:
             if len(self._values) > _PRIMED_MAX:
                 self._values.clear()
-            self._values.update(zip(chunks, values))
+            for chunk, value in zip(chunks, values):
+                found = self._values.get(chunk)
+                self._values[chunk] = (value, found[1] + 1 if found else 1)
 
     def peek(self, chunks: list[str]) -> list[Any]:
         """Each chunk's value, None where there is none; nothing is taken."""
         with self._lock:
-            return [self._values.get(c) for c in chunks]
+            return [found[0] if (found := self._values.get(c)) else None for c in chunks]
 
     def take(self, chunks: list[str]) -> list[Any]:
-        """Each chunk's value, None where there is none; taken values are gone."""
+        """Each chunk's value, None where there is none; a value taken as often as it was put
+        is gone."""
+        out = []
         with self._lock:
-            return [self._values.pop(c, None) for c in chunks]
+            for chunk in chunks:
+                found = self._values.get(chunk)
+                if found is None:
+                    out.append(None)
+                    continue
+                value, left = found
+                if left > 1:
+                    self._values[chunk] = (value, left - 1)
+                else:
+                    del self._values[chunk]
+                out.append(value)
+        return out
 
     def chunks(self) -> list[str]:
         with self._lock:

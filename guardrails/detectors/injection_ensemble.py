@@ -296,7 +296,8 @@ class InjectionEnsemble:
         without both are left to scoring); [] without a second stage."""
         if not self.cascades or "minilm" in self.components:
             return []
-        chunks = list(dict.fromkeys(self.prime_chunks(texts)))
+        # Every occurrence, as USE's were primed: each is taken once by scoring.
+        chunks = self.prime_chunks(texts)
         vectors, chars = self._primed.peek(chunks), self._primed_char.peek(chunks)
         ready = [i for i, (v, c) in enumerate(zip(vectors, chars)) if v is not None and c is not None]
         if not ready:

@@ -118,15 +118,29 @@ def test_the_deployment_encodes_e5_in_a_thread_before_scoring(text):
         scorer = guard.injection.scorer
         e5 = scorer._e5 = CountingEncoder(scorer.e5_encoder())
         loop_thread = threading.get_ident()
-        verdicts = await rails._compute(guard, [text], ["user"], deadline=float("inf"))
-        assert verdicts[0].blocked
-        # One e5 pass, in a worker thread, on the text as the rail reads it; scoring took the
-        # primed vector (an encode of its own would run on this loop) and left nothing over.
-        assert len(e5.calls) == 1 and e5.calls[0][1] != loop_thread
+        # The same turn twice (as two concurrent requests would send it): each scoring takes
+        # a vector of its own.
+        verdicts = await rails._compute(guard, [text, text], ["user", "user"], deadline=float("inf"))
+        assert verdicts[0].blocked and verdicts[1].blocked
+        # e5 ran in a worker thread, on the text as the rail reads it; scoring took the primed
+        # vectors (an encode of its own would run on this loop) and left nothing over.
+        assert e5.calls and all(thread != loop_thread for _, thread in e5.calls)
         assert "admin@example.org" not in e5.calls[0][0][0]  # primed as redacted, as scored
         assert scorer._primed_e5.chunks() == []
 
     asyncio.run(run())
+
+
+def test_a_value_primed_twice_is_there_for_two_takes():
+    from guardrails.detectors.encoders import Primed
+
+    primed = Primed()
+    primed.put(["a", "b", "a"], [1, 2, 3])
+    assert primed.peek(["a", "b", "c"]) == [3, 2, None]
+    assert primed.take(["a", "b"]) == [3, 2]
+    assert primed.chunks() == ["a"]
+    assert primed.take(["a", "a"]) == [3, None]
+    assert primed.chunks() == []
 
 
 def test_only_chat_turns_are_marked_for_the_second_stage():
