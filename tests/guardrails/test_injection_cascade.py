@@ -154,3 +154,36 @@ def test_only_chat_turns_are_marked_for_the_second_stage():
         assert guard.scored_texts(ATTACK, document=True) == [(ATTACK, False, False)]
 
     asyncio.run(run())
+
+
+def test_the_second_stage_reads_at_most_two_chunks_of_a_text(scorer):
+    """A long text whose every chunk the first stage is unsure of costs two e5 passes, not one
+    per chunk (a 30 KB crafted turn would otherwise buy ~10 s of CPU)."""
+    from guardrails.detectors.injection_ensemble import SECOND_STAGE_CHUNKS
+
+    text = (ATTACK + " ") * 200  # ~12 chunks, all attacks
+    chunks = scorer.scoring_chunks(text)
+    parts, first, final = scorer.stages(chunks, None)
+    assert len(chunks) > 10 and (first >= scorer.cascade_floor).all()
+    assert sum(len(texts) for texts, _ in scorer._e5.calls) == SECOND_STAGE_CHUNKS
+    assert (final != first).sum() == SECOND_STAGE_CHUNKS
+    assert scorer.score_input(text, None) >= scorer.calibrated_threshold
+
+
+def test_the_deployment_primes_at_most_four_chunks_a_request_and_never_encodes_more():
+    from guardrails.detectors.injection_ensemble import SECOND_STAGE_REQUEST_CHUNKS
+
+    rails, make_guard = _rails_and_guard({"injection": {"enabled": True}})
+    texts = [f"{i}. " + (ATTACK + " ") * 40 for i in range(5)]  # five turns of ~3 chunks each
+
+    async def run():
+        guard = await make_guard()
+        scorer = guard.injection.scorer
+        assert scorer.primed_only
+        e5 = scorer._e5 = CountingEncoder(scorer.e5_encoder())
+        verdicts = await rails._compute(guard, texts, ["user"] * len(texts), deadline=float("inf"))
+        assert all(v.blocked for v in verdicts)
+        assert sum(len(t) for t, _ in e5.calls) == SECOND_STAGE_REQUEST_CHUNKS  # all in priming
+        assert scorer._primed_e5.chunks() == []
+
+    asyncio.run(run())
