@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from guardrails.detectors.encoders import E5Encoder, Primed, UseEncoder
+from guardrails.detectors.encoders import E5_WINDOW_TOKENS, E5Encoder, Primed, UseEncoder
 from guardrails.detectors.injection import InjectionClassifier, embedding_chunks, sentence_windows
 from guardrails.detectors.text_fold import decoded_payloads, fold
 
@@ -55,9 +55,12 @@ CASCADE_FLOOR = 0.05
 # others keep their first-stage score; a text's score is its highest chunk's)...
 SECOND_STAGE_CHUNKS = 2
 # ...and per request in the guardrails deployment, at most this many chunks of all its texts
-# (``cascade_chunks``; beyond them a chunk keeps its first-stage score): ~2 s of one core at
-# worst on this CPU, against ~0.1 s for a chat-length turn.
+# and this many e5 tokens (``cascade_chunks``; beyond them a chunk keeps its first-stage
+# score): one window's worth, ~1 s of one core at worst on this CPU, against 20-100 ms for a
+# chat turn (30-150 tokens). A chunk is at most 1,000 characters, ~250 tokens of prose, but
+# one token a character in crafted text (four such chunks had cost ~8 s).
 SECOND_STAGE_REQUEST_CHUNKS = 4
+SECOND_STAGE_REQUEST_TOKENS = E5_WINDOW_TOKENS
 
 
 def char_vectorizer(norm: str | None = "l2"):
@@ -310,7 +313,8 @@ class InjectionEnsemble:
         by the first stage on the USE vectors and character scores primed for them (chunks
         without both are left out): per text its ``SECOND_STAGE_CHUNKS`` as scoring picks them,
         then of all texts the ``SECOND_STAGE_REQUEST_CHUNKS`` with the highest first-stage
-        scores; [] without a second stage."""
+        scores, as many of them as ``SECOND_STAGE_REQUEST_TOKENS`` allows (the first always);
+        [] without a second stage."""
         if not self.cascades or "minilm" in self.components:
             return []
         picked: list[tuple[float, str]] = []
@@ -324,7 +328,15 @@ class InjectionEnsemble:
             for i in _top_hot(first, self.cascade_floor):
                 picked.append((float(first[i]), chunks[i]))
         picked.sort(key=lambda p: -p[0])  # stable: ties keep the texts' order
-        return [chunk for _, chunk in picked[:SECOND_STAGE_REQUEST_CHUNKS]]
+        out: list[str] = []
+        tokens = 0
+        for _, chunk in picked[:SECOND_STAGE_REQUEST_CHUNKS]:
+            cost = min(self.e5_encoder().token_count(chunk), E5_WINDOW_TOKENS)
+            if out and tokens + cost > SECOND_STAGE_REQUEST_TOKENS:
+                continue  # a shorter one further down may still fit
+            out.append(chunk)
+            tokens += cost
+        return out
 
     def store_primed_e5(self, chunks: list[str], vectors: np.ndarray) -> None:
         """Keep e5 vectors of ``chunks`` (from ``cascade_chunks``) for scoring."""
