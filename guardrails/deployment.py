@@ -38,6 +38,10 @@ _INLINE_RAIL_CHARS = 8192
 _USE_BATCH_CHUNKS = 64
 # ...and e5, the second stage (its cost is per token: a large batch only makes its turns wait).
 _E5_BATCH_CHUNKS = 8
+# The second stage is waited for until this long before the request's rails run out of time;
+# then its chunks keep their first-stage scores (``_prime``), so a queue of e5 work (crafted
+# turns from many requests) costs detection, not every request's time budget.
+_SCORING_RESERVE_S = 0.5
 
 
 def _serving(scorer: InjectionScorer) -> InjectionScorer:
@@ -201,7 +205,7 @@ class Guardrails:
                 for t, f in zip(texts, flags)
                 for p in guard.scored_texts(t, instructions=f == "instructions", document=f == "document")
             ]
-        primed = asyncio.ensure_future(self._prime(guard, scorer, scored)) if batched else None
+        primed = asyncio.ensure_future(self._prime(guard, scorer, scored, deadline)) if batched else None
         embeddings: list[np.ndarray | None] = [None] * len(texts)
         try:
             if guard.needs_embedding:
@@ -227,7 +231,9 @@ class Guardrails:
             return await asyncio.to_thread(_check_all, guard, texts, embeddings, flags, deadline)
         return _check_all(guard, texts, embeddings, flags, deadline)
 
-    async def _prime(self, guard: InputGuard, scorer: InjectionEnsemble, scored: list[ScoredText]) -> None:
+    async def _prime(
+        self, guard: InputGuard, scorer: InjectionEnsemble, scored: list[ScoredText], deadline: float
+    ) -> None:
         chunks = scorer.prime_chunks([s.text for s in scored], [s.windows for s in scored])
         if not chunks:
             return
@@ -241,10 +247,21 @@ class Guardrails:
         # The second stage's e5 pass, for the chat turns' chunks the first stage did not score
         # as clearly benign: 20-400 ms of CPU a chunk, so in its thread too, never on the loop.
         hot = scorer.cascade_chunks([s.text for s in scored if s.turn])
-        if hot:
-            started = time.perf_counter()
-            scorer.store_primed_e5(hot, np.stack(await self._gate(scorer, "e5").enqueue(hot)))
-            guard.metrics.record_latency("injection_second_stage", time.perf_counter() - started)
+        if not hot:
+            return
+        started = time.perf_counter()
+        left = deadline - time.monotonic() - _SCORING_RESERVE_S
+        try:
+            if left <= 0:
+                raise TimeoutError
+            # On time out the future is cancelled: still queued, its chunks are never encoded.
+            vectors = await asyncio.wait_for(self._gate(scorer, "e5").enqueue(hot), min(left, 3600.0))
+        except TimeoutError:
+            guard.metrics.record_error("injection_second_stage")
+            logger.warning("injection second stage skipped: out of time (%d chunks keep first-stage scores)", len(hot))
+            return
+        scorer.store_primed_e5(hot, np.stack(vectors))
+        guard.metrics.record_latency("injection_second_stage", time.perf_counter() - started)
 
     def _gate(self, scorer: InjectionEnsemble, encoder: str) -> EncodeGate:
         """One encode at a time per scorer and encoder, in a thread; chunks that arrive

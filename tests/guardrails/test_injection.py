@@ -419,7 +419,7 @@ def test_the_character_model_scores_while_use_encodes():
 
         scorer.use_encoder().encode = held
         try:
-            priming = asyncio.ensure_future(rails._prime(guard, scorer, [ScoredText(text, False, False)]))
+            priming = asyncio.ensure_future(rails._prime(guard, scorer, [ScoredText(text, False, False)], float("inf")))
             for _ in range(200):  # the encode is held: only priming on the loop can fill this
                 if scorer._primed_char.chunks():
                     break

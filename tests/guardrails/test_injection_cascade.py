@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -223,5 +224,41 @@ def test_crafted_turns_buy_one_window_of_e5_a_request():
         read = [t for call, _ in e5.calls for t in call]
         assert read, "the crafted turns reach the second stage"
         assert sum(min(e5.token_count(t), 512) for t in read) <= SECOND_STAGE_REQUEST_TOKENS
+
+    asyncio.run(run())
+
+
+class SlowEncoder(CountingEncoder):
+    """The real encoder behind a queue of other requests' e5 work (``delay`` seconds)."""
+
+    def __init__(self, real, delay: float) -> None:
+        super().__init__(real)
+        self.delay = delay
+
+    def encode(self, texts):
+        self.calls.append((list(texts), threading.get_ident()))
+        time.sleep(self.delay)
+        return self.real.encode(texts)
+
+
+@pytest.mark.parametrize("left", [0.3, 1.2])
+def test_a_second_stage_out_of_time_leaves_first_stage_scores(left):
+    """With the request's rails near their time budget (0.3 s left: not started; 1.2 s left:
+    e5 busy for 2 s), the second stage is given up 0.5 s before the deadline and counted; the
+    turn is judged by the first stage, not refused for time."""
+    rails, make_guard = _rails_and_guard({"injection": {"enabled": True}})
+
+    async def run():
+        guard = await make_guard()
+        scorer = guard.injection.scorer
+        e5 = scorer._e5 = SlowEncoder(scorer.e5_encoder(), delay=2.0)
+        started = time.monotonic()
+        [verdict] = await rails._compute(guard, [ATTACK], ["user"], deadline=started + left)
+        took = time.monotonic() - started
+        assert verdict.blocked and verdict.rail == "injection", verdict  # the first stage's call
+        assert took < left, took
+        assert guard.metrics.errors("injection_second_stage") == 1
+        assert len(e5.calls) == (0 if left < 0.5 else 1)
+        assert scorer._primed_e5.chunks() == []
 
     asyncio.run(run())
