@@ -193,7 +193,8 @@ def test_the_deployment_primes_at_most_four_chunks_a_request_and_never_encodes_m
     from guardrails.detectors.injection_ensemble import SECOND_STAGE_REQUEST_CHUNKS
 
     rails, make_guard = _rails_and_guard({"injection": {"enabled": True}})
-    texts = [f"{i}. " + (ATTACK + " ") * 40 for i in range(5)]  # five turns of ~3 chunks each
+    # Five turns of one short chunk each (~20 e5 tokens: within the request's token budget).
+    texts = [f"{i}. {ATTACK}" for i in range(5)]
 
     async def run():
         guard = await make_guard()
