@@ -212,6 +212,7 @@ def test_the_deployment_primes_at_most_four_chunks_a_request_and_never_encodes_m
 def test_crafted_turns_buy_one_window_of_e5_a_request():
     """Text of a token a character fills e5's window in one chunk: a request's second stage
     then reads that chunk alone (four such chunks had cost ~8 s, and the rails' time budget)."""
+    from guardrails.detectors.encoders import E5_WINDOW_TOKENS
     from guardrails.detectors.injection_ensemble import SECOND_STAGE_REQUEST_TOKENS
 
     rails, make_guard = _rails_and_guard({"injection": {"enabled": True}})
@@ -224,7 +225,7 @@ def test_crafted_turns_buy_one_window_of_e5_a_request():
         await rails._compute(guard, texts, ["user"] * len(texts), deadline=float("inf"))
         read = [t for call, _ in e5.calls for t in call]
         assert read, "the crafted turns reach the second stage"
-        assert sum(min(e5.token_count(t), 512) for t in read) <= SECOND_STAGE_REQUEST_TOKENS
+        assert sum(min(e5.token_count(t), E5_WINDOW_TOKENS) for t in read) <= SECOND_STAGE_REQUEST_TOKENS
 
     asyncio.run(run())
 
