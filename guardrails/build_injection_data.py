@@ -198,8 +198,38 @@ def _groups(path: Path) -> dict[str, list[str]]:
     return out
 
 
-# How a planted instruction is hidden in a document or a pasted page.
-_WRAPS = ("{p}", "<!-- {p} -->", "[{p}]", '<span style="display:none">{p}</span>', "[//]: # ({p})", "\n\n{p}\n")
+# How a planted instruction is hidden in a document or a pasted page (``_WRAPS[1:5]`` in a
+# pasted page)...
+_WRAPS = (
+    "{p}",
+    "<!-- {p} -->",
+    "[{p}]",
+    '<span style="display:none">{p}</span>',
+    "[//]: # ({p})",
+    "\n\n{p}\n",
+    '<div style="font-size:0;color:#fff">{p}</div>',
+    "[system] {p}",
+)
+# ...and in a JSON tool result: as a field of its own, under one of these names.
+_JSON_KEYS = ("note", "instructions", "system_note", "assistant_note", "comment", "description", "_meta", "message")
+
+
+def _plant(doc: str, payload: str, rng: random.Random) -> str:
+    """``doc`` with ``payload`` hidden in it: a JSON object gets it as a field (where a tool
+    result carries it); other text gets it wrapped at its start, middle or end."""
+    if doc.lstrip().startswith("{"):
+        try:
+            value = json.loads(doc)
+        except ValueError:
+            value = None
+        if isinstance(value, dict):
+            items = list(value.items())
+            items.insert(rng.randint(0, len(items)), (rng.choice(_JSON_KEYS), payload))
+            return json.dumps(dict(items), ensure_ascii=False)
+    hidden = rng.choice(_WRAPS).replace("{p}", payload)
+    cut = rng.choice([0, len(doc) // 2, len(doc)])
+    cut = doc.rfind(" ", 0, cut) + 1 if 0 < cut < len(doc) else cut
+    return f"{doc[:cut]} {hidden} {doc[cut:]}".strip()
 
 
 # Later authoring passes, one folder each (`more/<set>/`), in the files' formats: injection.txt,
@@ -319,10 +349,7 @@ def _composed() -> Iterator[tuple[str, Row]]:
         same = [d for g, ds in docs.items() if _lang(g) == lang for d in ds] or all_docs
         for payload in lines:
             for doc in (rng.choice(same), rng.choice(same), rng.choice(all_docs)):
-                hidden = rng.choice(_WRAPS).replace("{p}", payload)
-                cut = rng.choice([0, len(doc) // 2, len(doc)])
-                cut = doc.rfind(" ", 0, cut) + 1 if 0 < cut < len(doc) else cut
-                text = f"{doc[:cut]} {hidden} {doc[cut:]}".strip()
+                text = _plant(doc, payload, rng)
                 yield _split_of(index), Row(text, 1, "ml_planted_document", f"mlpay:{name}", "injection")
             carrier = rng.choice(carriers.get(f"{lang}:carrier", carriers["en:carrier"]))
             page = f"{rng.choice(same)} {rng.choice(_WRAPS[1:5]).replace('{p}', payload)}"
