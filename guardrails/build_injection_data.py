@@ -224,7 +224,10 @@ def _plant(doc: str, payload: str, rng: random.Random) -> str:
             value = None
         if isinstance(value, dict):
             items = list(value.items())
-            items.insert(rng.randint(0, len(items)), (rng.choice(_JSON_KEYS), payload))
+            at, key = rng.randint(0, len(items)), rng.choice(_JSON_KEYS)
+            while key in value:  # never replace the document's own field, nor lose the payload
+                key = f"_{key}"
+            items.insert(at, (key, payload))
             return json.dumps(dict(items), ensure_ascii=False)
     hidden = rng.choice(_WRAPS).replace("{p}", payload)
     cut = rng.choice([0, len(doc) // 2, len(doc)])
