@@ -34,7 +34,8 @@ def test_no_group_or_text_leaks_between_splits():
 def test_rule_template_experiment_builds_without_leaks():
     """`--rule-templates` (guardrails/data/README.md): benign templates, attacks carrying one
     planted payload each, the rule-shaped turns, and no group in both splits."""
-    from guardrails.build_injection_data import _parts, _rule_templates
+    from guardrails.build_injection_data import _parts
+    from guardrails.rule_templates_data import _rule_templates
 
     built = list(_rule_templates())
     by_split = {s: {r.group for s2, r in built if s2 == s} for s in ("train", "eval")}
