@@ -147,6 +147,12 @@ class InjectionPolicy(StrictModel):
     # document is not diluted by the rest: more planted instructions caught, and more benign
     # documents dropped (README, Guardrails, has both). Ensemble scorer only.
     document_windows: bool = False
+    # A flagged retrieved passage or tool result loses only the sentences (in a JSON tool
+    # result: the strings) that set the rail off, when what is left passes the same check; else
+    # it is dropped (a passage) or refused (a tool result), as with false; an app template's
+    # `<source>` is redacted inside its tags, or removed. Needs a scorer that reads text (the
+    # ensemble, an HF classifier), not a MiniLM embedding of the whole document.
+    document_redaction: bool = True
 
     @field_serializer("instruction_roles")
     def _sorted_roles(self, roles: frozenset[str]) -> list[str]:

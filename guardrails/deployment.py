@@ -225,9 +225,11 @@ class Guardrails:
                 # Scoring encodes whatever priming did not (a failure here is only lost time).
                 await asyncio.gather(primed, return_exceptions=True)
         # What is left is regex, the character model and dot products (~2 ms): inline. Long
-        # documents, or a model that runs in scoring (an HF classifier), go to a thread, so the
-        # replica's event loop (which Serve's throughput mode shares) keeps serving.
-        if (guard.runs_model_inline and not batched) or sum(len(t) for t in texts) > _INLINE_RAIL_CHARS:
+        # documents, a model that runs in scoring (an HF classifier), or documents a flag may
+        # send to redaction (a check, with its encoder pass, per sentence) go to a thread, so
+        # the replica's event loop (which Serve's throughput mode shares) keeps serving.
+        redacts = guard.redacts_documents and "document" in flags
+        if (guard.runs_model_inline and not batched) or redacts or sum(len(t) for t in texts) > _INLINE_RAIL_CHARS:
             return await asyncio.to_thread(_check_all, guard, texts, embeddings, flags, deadline)
         return _check_all(guard, texts, embeddings, flags, deadline)
 

@@ -21,6 +21,7 @@ import numpy as np
 from guardrails.detectors.injection import (
     DEFAULT_ARTIFACT,
     InjectionClassifier,
+    InjectionDetector,
     embedding_chunks,
     heuristic_hits,
 )
@@ -188,6 +189,31 @@ def disjoint_report(rows: list[DisjointRow], scores: dict[str, np.ndarray], depl
     return "\n".join(lines)
 
 
+def redaction_report(rows: list[DisjointRow], detector: InjectionDetector) -> str:
+    """What the gateway does with each document (``injection.document_redaction``): passed,
+    redacted (with the share of its characters kept) or dropped, by label."""
+    docs = [r for r in rows if r.slot == "document"]
+    if not docs:
+        return ""
+    lines = [
+        "\n**documents as the gateway treats them** (redaction on): passed / redacted / dropped\n",
+        "| | n | passed | redacted | dropped | characters kept when redacted |",
+        "|---|---|---|---|---|---|",
+    ]
+    for label, kind in ((0, "benign"), (1, "planted")):
+        counts, kept = {"passed": 0, "redacted": 0, "dropped": 0}, []
+        for r in (r for r in docs if r.label == label):
+            verdict = detector.check(r.text, None, document=True, redact=True)
+            outcome = "dropped" if verdict.blocked else "redacted" if verdict.redacted else "passed"
+            counts[outcome] += 1
+            if verdict.redacted:
+                kept.append(len(verdict.text or "") / len(r.text))
+        n = sum(counts.values())
+        share = f"{np.mean(kept):.0%}" if kept else "-"
+        lines.append(f"| {kind} | {n} | " + " | ".join(str(c) for c in counts.values()) + f" | {share} |")
+    return "\n".join(lines)
+
+
 def _at_fpr_table(rows: list[DisjointRow], scores: dict[str, np.ndarray], slot: str, benign, attacks) -> list[str]:
     """Recall of every detector with its threshold set where 1% and 5% of the slot's benign
     rows are flagged, by language and by attack style."""
@@ -311,6 +337,16 @@ def main() -> None:
         f"documents {doc_threshold:.3f}"
     )
     print(disjoint_report(rows, scores, deployed))
+    if isinstance(scorer, InjectionEnsemble):
+        scorer.primed_only = True  # as the guardrails deployment runs it: no e5 pass for the pieces
+        detector = InjectionDetector(
+            scorer,
+            threshold,
+            document_threshold=doc_threshold,
+            document_windows=args.document_windows,
+            document_redaction=True,
+        )
+        print(redaction_report(rows, detector))
 
 
 if __name__ == "__main__":

@@ -90,6 +90,7 @@ class InputGuard:
                 inj.heuristics,
                 document_threshold=document_threshold,
                 document_windows=inj.document_windows,
+                document_redaction=inj.document_redaction,
             )
             if inj.enabled and (injection_scorer is not None or inj.heuristics)
             else None
@@ -111,6 +112,11 @@ class InputGuard:
         """Whether `check_text` runs a model itself (an HF classifier), not just regex and dot products."""
         scorer = self.injection.scorer if self.injection else None
         return scorer is not None and getattr(scorer, "runs_model", not isinstance(scorer, InjectionClassifier))
+
+    @property
+    def redacts_documents(self) -> bool:
+        """Whether a flagged document may be redacted (``InjectionDetector.redacts_documents``)."""
+        return self.injection is not None and self.injection.redacts_documents
 
     @property
     def needs_embedding(self) -> bool:
@@ -152,14 +158,21 @@ class InputGuard:
             whole = pieces is None  # the embedding (of the whole text) serves only the whole text
             if pieces is None:
                 pieces = [Piece(judged, "instructions" if instructions else "document" if document else "user")]
-            removed: list[tuple[int, int]] = []
+            removed: list[tuple[tuple[int, int], str]] = []  # a template's flagged documents: span, what stands there
             for piece in pieces:
                 if piece.kind != "instructions":
                     doc, emb = piece.kind == "document", embedding if whole else None
                     # A context block judged whole comes after its elements: without those removed.
                     judged_piece = untagged(_without(judged, removed, within=piece.span)) if piece.block else piece.text
                     seen.append(
-                        self._run(detector.rail, lambda p=judged_piece, e=emb, d=doc: detector.check(p, e, document=d))
+                        self._run(
+                            detector.rail,
+                            # Only a whole text is redacted (a piece's rewrite is not the
+                            # message's), and judged as it came too, before the PII rail's rewrite.
+                            lambda p=judged_piece, e=emb, d=doc: detector.check(
+                                p, e, document=d, redact=whole, also=(text,) if whole else ()
+                            ),
+                        )
                     )
                 elif detector.use_heuristics:
                     seen.append(self._run(detector.rail, lambda p=piece.text: detector.check_heuristics(p)))
@@ -169,10 +182,10 @@ class InputGuard:
                     and piece.span is not None
                     and seen[-1].code is PolicyCode.PROMPT_INJECTION
                 ):
-                    # A template's document is dropped, not the request, as a retrieved passage
-                    # is (a rail error still refuses the request).
-                    removed.append(piece.span)
+                    # A template's document is redacted or dropped, not the request, as a
+                    # retrieved passage is (a rail error still refuses the request).
                     seen.pop()
+                    removed.append((piece.span, REMOVED_DOCUMENT if piece.block else self._redacted_source(piece.text)))
                 elif seen and seen[-1].blocked:
                     break
             if removed and not (seen and seen[-1].blocked):
@@ -180,7 +193,7 @@ class InputGuard:
                     Verdict.redact(
                         detector.rail,
                         _without(judged, removed),
-                        "document(s) of an app template removed",
+                        "document(s) of an app template redacted or removed",
                         code=PolicyCode.PROMPT_INJECTION,
                     )
                 )
@@ -197,14 +210,16 @@ class InputGuard:
     def scored_texts(self, text: str, *, instructions: bool = False, document: bool = False) -> list[ScoredText]:
         """The texts the injection classifier will score when checking ``text`` (for the
         guardrails deployment to encode them ahead, together with other requests'): the text as
-        the rail reads it (``_judged``), whole or in an app template's pieces."""
+        the rail reads it (``_judged``), whole (and as it came) or in an app template's pieces."""
         if self.injection is None or self.injection.scorer is None:
             return []
         windows = self.injection.document_windows
-        text = self._judged(text)
+        original, text = text, self._judged(text)
         pieces = self._pieces(text, instructions=instructions, document=document)
         if pieces is None:
-            return [] if instructions else [ScoredText(text, document and windows, not document)]
+            # A whole text is judged as it came too, when the PII rail rewrites it (check_text).
+            forms = [text] if text == original else [text, original]
+            return [] if instructions else [ScoredText(t, document and windows, not document) for t in forms]
         return [
             ScoredText(p.text, p.kind == "document" and windows, p.kind == "user")
             for p in pieces
@@ -230,6 +245,24 @@ class InputGuard:
             return None
         return self.templates.split(text, instructions=instructions)
 
+    def _redacted_source(self, element: str) -> str:
+        """What stands for a template's flagged document (a ``<source ...>`` element, or text
+        between elements): its text redacted as a retrieved passage's is, in the element's own
+        tags, when it can be; else ``REMOVED_DOCUMENT``."""
+        detector = self.injection
+        if detector is None or not detector.redacts_documents:
+            return REMOVED_DOCUMENT
+        head, tail = 0, len(element)
+        if element.startswith("<source") and element.endswith("</source>"):
+            head, tail = element.find(">") + 1, len(element) - len("</source>")
+        if not 0 < tail - head:
+            return REMOVED_DOCUMENT
+        inner = element[head:tail]
+        verdict = self._run(detector.rail, lambda: detector.check(inner, None, document=True, redact=True))
+        if not verdict.redacted or verdict.text is None:
+            return REMOVED_DOCUMENT
+        return element[:head] + verdict.text + element[tail:]
+
     def _run(self, rail: str, check: Callable[[], Verdict]) -> Verdict:
         return run_rail(rail, check, fail_open=self.policy.fail_open, metrics=self.metrics)
 
@@ -242,21 +275,22 @@ class ScoredText(NamedTuple):
     turn: bool  # judged as a chat turn: the ensemble's second stage may read it
 
 
-def _without(text: str, spans: list[tuple[int, int]], within: tuple[int, int] | None = None) -> str:
-    """``text`` with each span (overlapping ones merged) replaced by ``REMOVED_DOCUMENT``; with
-    ``within``, only that part of the text, and the spans inside it."""
+def _without(text: str, spans: list[tuple[tuple[int, int], str]], within: tuple[int, int] | None = None) -> str:
+    """``text`` with each span replaced by what stands there (overlapping ones merged, and then
+    by ``REMOVED_DOCUMENT``); with ``within``, only that part of the text, and the spans inside it."""
     if within is not None:
         a, b = within
-        return _without(text[a:b], [(x - a, y - a) for x, y in spans if a <= x and y <= b])
-    merged: list[list[int]] = []
-    for a, b in sorted(spans):
+        return _without(text[a:b], [((x - a, y - a), r) for (x, y), r in spans if a <= x and y <= b])
+    merged: list[list] = []
+    for (a, b), replacement in sorted(spans):
         if merged and a <= merged[-1][1]:
             merged[-1][1] = max(merged[-1][1], b)
+            merged[-1][2] = REMOVED_DOCUMENT
         else:
-            merged.append([a, b])
+            merged.append([a, b, replacement])
     out, pos = [], 0
-    for a, b in merged:
-        out += [text[pos:a], REMOVED_DOCUMENT]
+    for a, b, replacement in merged:
+        out += [text[pos:a], replacement]
         pos = b
     return "".join(out) + text[pos:]
 

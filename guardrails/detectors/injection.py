@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from guardrails.detectors import linear_regex as lrx
+from guardrails.detectors.documents import NEIGHBOUR_THRESHOLD, NEIGHBOUR_TURN_THRESHOLD, redact_flagged
 from guardrails.detectors.text_fold import decoded_payloads, fold
 from guardrails.verdict import PolicyCode, Verdict
 
@@ -295,46 +296,6 @@ def embedding_chunks(text: str, max_chars: int = 1000, overlap: int = 100) -> li
     return [text[i : i + max_chars] for i in range(0, len(text) - overlap, step)]
 
 
-# Sentences a document window holds (see ``sentence_windows``).
-DOCUMENT_WINDOW_SENTENCES = 2
-_MIN_UNIT_CHARS = 40
-_STOPS = frozenset(".!?")
-_CJK_STOPS = frozenset("。！？")
-
-
-def sentences(text: str) -> list[str]:
-    """The text's sentences: cut after ``.``, ``!`` or ``?`` followed by white space, after
-    ``。！？``, and at line breaks. One pass, no regex."""
-    out, start, n = [], 0, len(text)
-    for i, ch in enumerate(text):
-        end = ch == "\n" or ch in _CJK_STOPS or (ch in _STOPS and (i + 1 == n or text[i + 1].isspace()))
-        if end:
-            piece = text[start : i + 1].strip()
-            if piece:
-                out.append(piece)
-            start = i + 1
-    tail = text[start:].strip()
-    return out + ([tail] if tail else [])
-
-
-def sentence_windows(text: str, size: int = DOCUMENT_WINDOW_SENTENCES) -> list[str]:
-    """Every run of ``size`` consecutive sentences of a text longer than that, else []. A
-    document can also be scored window by window (``injection.document_windows``): an
-    instruction planted in a long, otherwise ordinary document is one sentence among many, and
-    its chunk's score is diluted by the rest (README, Guardrails, for what it gains and costs)."""
-    parts: list[str] = []
-    for sentence in sentences(text):
-        # Sentences shorter than _MIN_UNIT_CHARS join the next: a text of many tiny
-        # "sentences" ("a. a. a. ...") has at most one window per _MIN_UNIT_CHARS characters.
-        if parts and len(parts[-1]) < _MIN_UNIT_CHARS:
-            parts[-1] += " " + sentence
-        else:
-            parts.append(sentence)
-    if len(parts) <= size:
-        return []
-    return [" ".join(parts[i : i + size]) for i in range(len(parts) - size + 1)]
-
-
 class InjectionScorer(Protocol):
     """Anything that turns a user text (and its embedding, if the scorer uses one) into P(injection)."""
 
@@ -430,6 +391,7 @@ class InjectionDetector:
         rail: str = "injection",
         document_threshold: float | None = None,
         document_windows: bool = False,
+        document_redaction: bool = False,
     ) -> None:
         for value in (threshold, document_threshold):
             if value is not None and not 0.0 <= value <= 1.0:
@@ -444,6 +406,8 @@ class InjectionDetector:
         self.rail = rail
         # Documents also scored by sentence windows, when the scorer can (the ensemble).
         self.document_windows = document_windows
+        # A flagged document loses its offending pieces instead of all of it (``check``).
+        self.document_redaction = document_redaction
 
     @property
     def reads_embedding(self) -> bool:
@@ -451,12 +415,58 @@ class InjectionDetector:
         text that embedding was computed from)."""
         return bool(getattr(self.scorer, "uses_embedding", isinstance(self.scorer, InjectionClassifier)))
 
-    def check(self, text: str, embedding: np.ndarray | None = None, *, document: bool = False) -> Verdict:
+    @property
+    def redacts_documents(self) -> bool:
+        """``document_redaction``, with a scorer that reads text (not a MiniLM embedding)."""
+        return self.document_redaction and self.scorer is not None and not self.reads_embedding
+
+    def check(
+        self,
+        text: str,
+        embedding: np.ndarray | None = None,
+        *,
+        document: bool = False,
+        redact: bool = False,
+        also: tuple[str, ...] = (),
+    ) -> Verdict:
         """Verdict for one text; `embedding` is one vector or one row per `embedding_chunks` piece.
-        ``document`` marks a retrieved passage or tool result (its own threshold)."""
+        ``document`` marks a retrieved passage or tool result (its own threshold); ``redact``: a
+        flagged one comes back REDACTED if it can be (documents.redact_flagged). ``also``: other
+        forms of the text judged with it (the text before PII redaction: "send it to <EMAIL>"
+        reads as harmless to a classifier never trained on placeholders)."""
+        verdict = self._check(text, embedding, document=document, also=also)
+        if not (verdict.blocked and document and redact and self.redacts_documents):
+            return verdict
+        rest = redact_flagged(
+            text,
+            # A piece is flagged as a document, or as the chat turn it could be on its own.
+            lambda piece: (
+                self._check(piece, None, document=True).blocked or self._check(piece, None, document=False).blocked
+            ),
+            lambda piece: (
+                self._check(piece, None, document=True, threshold=NEIGHBOUR_THRESHOLD).blocked
+                or self._check(piece, None, document=False, threshold=NEIGHBOUR_TURN_THRESHOLD).blocked
+            ),
+        )
+        if rest is None:
+            return verdict
+        return Verdict.redact(
+            self.rail, rest, f"{verdict.reason}: flagged pieces removed", code=PolicyCode.PROMPT_INJECTION
+        )
+
+    def _check(
+        self,
+        text: str,
+        embedding: np.ndarray | None,
+        *,
+        document: bool,
+        threshold: float | None = None,
+        also: tuple[str, ...] = (),
+    ) -> Verdict:
         # Encoded runs (base64, hex) are folded to "[encoded]" for the scorer; what they decode
-        # to, when it is text, is judged as a text of its own (text_fold.decoded_payloads), every one of them.
-        payloads = decoded_payloads(text)
+        # to, when it is text, is judged as a text of its own (text_fold.decoded_payloads), every
+        # one of them; so is each of ``also``.
+        payloads = decoded_payloads(text) + [t for t in also if t != text]
         hits = self._hits(text, payloads) if self.use_heuristics else []
         score = None
         if self.scorer is not None:
@@ -469,7 +479,8 @@ class InjectionDetector:
                 score = max([score, *(scoring(p, None) for p in payloads)])
         if hits:
             return Verdict.block(self.rail, PolicyCode.PROMPT_INJECTION, f"matched heuristic {hits[0]}", score)
-        threshold = self.document_threshold if document else self.threshold
+        if threshold is None:
+            threshold = self.document_threshold if document else self.threshold
         if score is not None and score >= threshold:
             return Verdict.block(
                 self.rail,

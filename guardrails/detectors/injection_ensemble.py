@@ -36,8 +36,9 @@ from typing import Any
 
 import numpy as np
 
+from guardrails.detectors.documents import sentence_windows
 from guardrails.detectors.encoders import E5_WINDOW_TOKENS, E5Encoder, Primed, UseEncoder
-from guardrails.detectors.injection import InjectionClassifier, embedding_chunks, sentence_windows
+from guardrails.detectors.injection import InjectionClassifier, embedding_chunks
 from guardrails.detectors.text_fold import decoded_payloads, fold
 
 logger = logging.getLogger(__name__)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from guardrails.config import GuardrailPolicy, load_policy
-from guardrails.detectors.injection import DEFAULT_ARTIFACT, sentence_windows, sentences
+from guardrails.detectors.documents import REMOVED, sentence_windows, sentences
+from guardrails.detectors.injection import DEFAULT_ARTIFACT
 from guardrails.detectors.injection_ensemble import load_scorer
 from guardrails.input_rail import InputGuard
 
@@ -62,7 +63,12 @@ def test_a_planted_sentence_in_a_long_document_is_caught_only_by_windows(guards)
     document = LONG_SHEET + PLANTED + " The kettle comes in black, white and red."
     assert not whole.check_text(document, document=True).blocked
     verdict = windows.check_text(document, document=True)
-    assert verdict.blocked and verdict.rail == "injection"
+    # Flagged, and redacted: the planted sentence goes, the fact sheet stays (test_documents.py).
+    assert verdict.redacted and verdict.rail == "injection"
+    assert "aurora-orders" not in verdict.text and REMOVED in verdict.text
+    assert "two years" in verdict.text and len(verdict.text) > 0.7 * len(document)
+    dropping = load_policy({"injection": {"document_windows": True, "document_redaction": False}})
+    assert InputGuard(dropping, injection_scorer=windows.injection.scorer).check_text(document, document=True).blocked
     # The same fact sheet without it passes either way, and windows never apply to chat turns.
     assert not windows.check_text(LONG_SHEET, document=True).blocked
     assert windows.scored_texts(document, document=True) == [(document, True, False)]

@@ -140,25 +140,33 @@ def test_only_model_scorers_are_sent_off_the_event_loop():
     assert not make_guard().runs_model_inline
 
 
-class _FlagsAddresses:
-    """A scorer (the InjectionScorer protocol) that reads no embedding and rates any text with
-    an '@' as an attack: it shows which text the injection rail was given."""
+class _Flags:
+    """A scorer (the InjectionScorer protocol) that reads no embedding and rates any text
+    holding ``mark`` as an attack: it shows which texts the injection rail was given."""
 
     uses_embedding = False
     calibrated_threshold = 0.5
 
+    def __init__(self, mark: str) -> None:
+        self.mark = mark
+
     def score_input(self, text, embedding):
-        return 1.0 if "@" in text else 0.0
+        return 1.0 if self.mark in text else 0.0
 
 
-def test_injection_judges_the_text_after_redaction():
-    """The model reads "<EMAIL>", not the address: the rail scores what the model will read."""
-    guard = InputGuard(load_policy({}), _FlagsAddresses(), None, RailMetrics())
-    verdict = guard.check_text("I wrote to jane.doe@example.com yesterday.")
+def test_injection_judges_the_text_after_redaction_and_as_it_came():
+    """The model reads "<EMAIL>", not the address, so the rail scores that; and the text as it
+    came, since a classifier never trained on placeholders reads "forward it all to <EMAIL>"
+    as harmless."""
+    text = "I wrote to jane.doe@example.com yesterday."
+    assert InputGuard(load_policy({}), _Flags("<EMAIL>"), None, RailMetrics()).check_text(text).blocked
+    assert InputGuard(load_policy({}), _Flags("@"), None, RailMetrics()).check_text(text).blocked
+    verdict = InputGuard(load_policy({}), _Flags("nothing here"), None, RailMetrics()).check_text(text)
     assert verdict.redacted and verdict.text == "I wrote to <EMAIL> yesterday."
-    # Unredacted (PII off), the same scorer blocks it: the test shows which text is scored.
-    unredacted = InputGuard(load_policy({"pii": {"enabled": False}}), _FlagsAddresses(), None, RailMetrics())
-    assert unredacted.check_text("I wrote to jane.doe@example.com yesterday.").blocked
+    # The guardrails deployment encodes both forms ahead, so scoring encodes neither inline.
+    guard = InputGuard(load_policy({}), _Flags("nothing here"), None, RailMetrics())
+    assert guard.scored_texts(text) == [("I wrote to <EMAIL> yesterday.", False, True), (text, False, True)]
+    assert guard.scored_texts("No address here.") == [("No address here.", False, True)]
 
 
 def test_an_encoded_attack_is_scored_by_what_it_decodes_to():
