@@ -24,6 +24,7 @@ from pathlib import Path
 
 from guardrails.app_templates import BUILTIN_DIR
 from guardrails.config import GuardrailPolicy
+from guardrails.detectors.documents import REMOVED
 from guardrails.eval_injection import DATA_DIR, DisjointRow, load_disjoint
 from guardrails.input_rail import REMOVED_DOCUMENT, InputGuard, build_injection_scorer
 
@@ -76,7 +77,7 @@ def main() -> None:
     scorer = build_injection_scorer(with_templates.injection)
     guards = {"whole message": InputGuard(without, scorer), "app_templates": InputGuard(with_templates, scorer)}
     print(f"{args.disjoint.name}: {len(cases)} Open WebUI RAG messages ({len(templates)} template versions in turn)\n")
-    print("| case | n | " + " | ".join(f"{name}: refused / document removed" for name in guards) + " |")
+    print("| case | n | " + " | ".join(f"{name}: refused / document redacted or removed" for name in guards) + " |")
     print("|---|---|" + "---|" * len(guards))
     for case in ("benign question", "attack question", "benign document", "planted document"):
         texts = [t for c, _, t in cases if c == case]
@@ -84,7 +85,10 @@ def main() -> None:
         for guard in guards.values():
             verdicts = [guard.check_text(t) for t in texts]
             refused = sum(v.blocked for v in verdicts)
-            removed = sum(bool(v.redacted and v.text and REMOVED_DOCUMENT in v.text) for v in verdicts)
+            # A flagged source is redacted in its tags (documents.REMOVED) or replaced whole.
+            removed = sum(
+                bool(v.redacted and v.text and (REMOVED_DOCUMENT in v.text or REMOVED in v.text)) for v in verdicts
+            )
             cells.append(f"{refused / len(texts):.3f} / {removed / len(texts):.3f}")
         print(f"| {case} | {len(texts)} | " + " | ".join(cells) + " |")
 
