@@ -98,10 +98,12 @@ def redact_flagged(
         value = json.loads(text) if text.lstrip()[:1] in ("{", "[") else None
     except ValueError:
         value = None
+    except RecursionError:  # nested deeper than Python's stack: never redacted (nor an error)
+        return None
     if isinstance(value, (dict, list)):
         try:
             kept, changed = _redact_json(value, flagged, suspect, [2 * MAX_REDACTION_PIECES])
-        except _TooLarge:
+        except (_TooLarge, RecursionError):
             return None
         rest = json.dumps(kept, ensure_ascii=False) if changed else None
     else:

@@ -437,17 +437,21 @@ class InjectionDetector:
         verdict = self._check(text, embedding, document=document, also=also)
         if not (verdict.blocked and document and redact and self.redacts_documents):
             return verdict
-        rest = redact_flagged(
-            text,
-            # A piece is flagged as a document, or as the chat turn it could be on its own.
-            lambda piece: (
-                self._check(piece, None, document=True).blocked or self._check(piece, None, document=False).blocked
-            ),
-            lambda piece: (
-                self._check(piece, None, document=True, threshold=NEIGHBOUR_THRESHOLD).blocked
-                or self._check(piece, None, document=False, threshold=NEIGHBOUR_TURN_THRESHOLD).blocked
-            ),
-        )
+        try:
+            rest = redact_flagged(
+                text,
+                # A piece is flagged as a document, or as the chat turn it could be on its own.
+                lambda piece: (
+                    self._check(piece, None, document=True).blocked or self._check(piece, None, document=False).blocked
+                ),
+                lambda piece: (
+                    self._check(piece, None, document=True, threshold=NEIGHBOUR_THRESHOLD).blocked
+                    or self._check(piece, None, document=False, threshold=NEIGHBOUR_TURN_THRESHOLD).blocked
+                ),
+            )
+        except Exception as exc:  # the document was judged: a failure to save it keeps the block
+            logger.warning("redacting a flagged document failed: %s", type(exc).__name__)
+            rest = None
         if rest is None:
             return verdict
         return Verdict.redact(
