@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from guardrails.detectors.documents import stripped_span
+
 BUILTIN_DIR = Path(__file__).resolve().parent / "templates"
 DOCUMENT_PLACEHOLDERS = frozenset({"CONTEXT"})
 # A message must carry at least this share of a template's distinct lines to match it.
@@ -224,15 +226,15 @@ def _documents(text: str, start: int, end: int) -> list[Piece]:
         open_at = text.find("<source", pos, end)
         close_at = text.find("</source>", open_at, end) if open_at >= 0 else -1
         if open_at < 0 or close_at < 0:
-            spans.append(_stripped(text, pos, end))
+            spans.append(stripped_span(text, pos, end))
             break
-        spans.append(_stripped(text, pos, open_at))
+        spans.append(stripped_span(text, pos, open_at))
         spans.append((open_at, close_at + len("</source>")))
         pos = close_at + len("</source>")
     spans = [(a, b) for a, b in spans if b > a]
     pieces = [Piece(text[a:b], "document", (a, b)) for a, b in spans]
     if len(spans) > 1:
-        a, b = _stripped(text, start, end)
+        a, b = stripped_span(text, start, end)
         pieces.append(Piece(untagged(text[a:b]), "document", (a, b), block=True))
     return pieces
 
@@ -254,12 +256,3 @@ def untagged(text: str) -> str:
             return "".join(out) + text[pos:]
         out.append(text[pos:at])
         pos = end + 1
-
-
-def _stripped(text: str, start: int, end: int) -> tuple[int, int]:
-    """The span without the white space at either end."""
-    while start < end and text[start].isspace():
-        start += 1
-    while end > start and text[end - 1].isspace():
-        end -= 1
-    return start, end

@@ -37,20 +37,22 @@ NEIGHBOUR_TURN_THRESHOLD = 0.3
 def sentence_spans(text: str) -> list[tuple[int, int]]:
     """Where the text's sentences are (white space around them left out): cut after ``.``,
     ``!`` or ``?`` followed by white space, after ``。！？``, and at line breaks. One pass, no regex."""
-    out, start, n = [], 0, len(text)
+    cuts, start, n = [], 0, len(text)
     for i, ch in enumerate(text):
         if ch == "\n" or ch in _CJK_STOPS or (ch in _STOPS and (i + 1 == n or text[i + 1].isspace())):
-            out.extend(_stripped(text, start, i + 1))
+            cuts.append(stripped_span(text, start, i + 1))
             start = i + 1
-    return out + _stripped(text, start, n)
+    cuts.append(stripped_span(text, start, n))
+    return [(a, b) for a, b in cuts if b > a]
 
 
-def _stripped(text: str, start: int, end: int) -> list[tuple[int, int]]:
+def stripped_span(text: str, start: int, end: int) -> tuple[int, int]:
+    """``text[start:end]``'s span without the white space at either end."""
     while start < end and text[start].isspace():
         start += 1
     while end > start and text[end - 1].isspace():
         end -= 1
-    return [(start, end)] if start < end else []
+    return start, end
 
 
 def sentences(text: str) -> list[str]:
