@@ -85,6 +85,15 @@ def sentence_windows(text: str, size: int = DOCUMENT_WINDOW_SENTENCES) -> list[s
     return [" ".join(parts[i : i + size]) for i in range(len(parts) - size + 1)]
 
 
+def redaction_pieces(text: str) -> list[str]:
+    """The pieces ``redact_flagged`` checks first in a plain-text document (its sentences and
+    their neighbouring pairs), for a scorer to encode in one call; [] when it would not check them."""
+    units = [u for u, _, _ in _units(text)]
+    if not 2 <= len(units) <= MAX_REDACTION_PIECES or text.lstrip()[:1] in ("{", "["):
+        return []
+    return units + [f"{a} {b}" for a, b in zip(units, units[1:])]
+
+
 def redact_flagged(
     text: str, flagged: Callable[[str], bool], suspect: Callable[[str], bool] | None = None
 ) -> str | None:

@@ -15,9 +15,11 @@ runs it only on chat turns its first stage does not already score as clearly ben
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -98,9 +100,25 @@ class UseEncoder:
             self._model, self.int8 = USE(threads=1), False
             logger.warning("USE runs its float32 numpy pass (the 8-bit graph is unavailable: %r)", exc)
         self._model.encode(["warm up"])  # the first run's allocations now, not on the first request
+        self._held = threading.local()  # ``holding``
 
     def encode(self, texts: list[str]) -> np.ndarray:
+        held = getattr(self._held, "vectors", None)
+        if held and all(t in held for t in texts):
+            return np.stack([held[t] for t in texts])
         return np.atleast_2d(np.asarray(self._model.encode(list(texts)), dtype=np.float32))
+
+    @contextlib.contextmanager
+    def holding(self, texts: list[str]) -> Iterator[None]:
+        """Within (on this thread): ``texts`` encoded now in one call, and an ``encode`` of only
+        them answered from it. A flagged document's redaction scores each of its pieces more
+        than once, one at a time: one pass over 127 pieces instead of 254."""
+        unique = list(dict.fromkeys(texts))
+        self._held.vectors = dict(zip(unique, self.encode(unique))) if unique else {}
+        try:
+            yield
+        finally:
+            self._held.vectors = None
 
 
 class Primed:

@@ -12,6 +12,7 @@ A Hugging Face sequence classifier (e.g. Prompt Guard) can replace the embedding
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -21,8 +22,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from guardrails.detectors import documents
 from guardrails.detectors import linear_regex as lrx
-from guardrails.detectors.documents import NEIGHBOUR_THRESHOLD, NEIGHBOUR_TURN_THRESHOLD, redact_flagged
 from guardrails.detectors.text_fold import decoded_payloads, fold
 from guardrails.verdict import PolicyCode, Verdict
 
@@ -431,24 +432,17 @@ class InjectionDetector:
     ) -> Verdict:
         """Verdict for one text; `embedding` is one vector or one row per `embedding_chunks` piece.
         ``document`` marks a retrieved passage or tool result (its own threshold); ``redact``: a
-        flagged one comes back REDACTED if it can be (documents.redact_flagged). ``also``: other
+        flagged one comes back REDACTED if it can be (``documents.redact_flagged``). ``also``: other
         forms of the text judged with it (the text before PII redaction: "send it to <EMAIL>"
         reads as harmless to a classifier never trained on placeholders)."""
         verdict = self._check(text, embedding, document=document, also=also)
         if not (verdict.blocked and document and redact and self.redacts_documents):
             return verdict
+        hold = getattr(self.scorer, "holding", None)
+        neighbour = (documents.NEIGHBOUR_THRESHOLD, documents.NEIGHBOUR_TURN_THRESHOLD)
         try:
-            rest = redact_flagged(
-                text,
-                # A piece is flagged as a document, or as the chat turn it could be on its own.
-                lambda piece: (
-                    self._check(piece, None, document=True).blocked or self._check(piece, None, document=False).blocked
-                ),
-                lambda piece: (
-                    self._check(piece, None, document=True, threshold=NEIGHBOUR_THRESHOLD).blocked
-                    or self._check(piece, None, document=False, threshold=NEIGHBOUR_TURN_THRESHOLD).blocked
-                ),
-            )
+            with hold(documents.redaction_pieces(text)) if hold else contextlib.nullcontext():
+                rest = documents.redact_flagged(text, self._flags, lambda piece: self._flags(piece, *neighbour))
         except Exception as exc:  # the document was judged: a failure to save it keeps the block
             logger.warning("redacting a flagged document failed: %s", type(exc).__name__)
             rest = None
@@ -456,6 +450,14 @@ class InjectionDetector:
             return verdict
         return Verdict.redact(
             self.rail, rest, f"{verdict.reason}: flagged pieces removed", code=PolicyCode.PROMPT_INJECTION
+        )
+
+    def _flags(self, piece: str, document: float | None = None, turn: float | None = None) -> bool:
+        """Whether a document's piece is flagged as a document or as the chat turn it could be
+        on its own, at these thresholds (None: the calibrated ones)."""
+        return (
+            self._check(piece, None, document=True, threshold=document).blocked
+            or self._check(piece, None, document=False, threshold=turn).blocked
         )
 
     def _check(

@@ -309,6 +309,10 @@ class InjectionEnsemble:
         pairs = [*zip(texts, wins), *((p, w) for t, w in zip(texts, wins) for p in decoded_payloads(t))]
         return [fold(c) for t, w in pairs for c in self.scoring_chunks(t, windows=w)]
 
+    def holding(self, texts: list[str]):
+        """Within: the USE vectors scoring ``texts`` needs, encoded now in one call (``UseEncoder.holding``)."""
+        return self.use_encoder().holding(self.prime_chunks(texts))
+
     def cascade_chunks(self, texts: list[str]) -> list[str]:
         """The folded chunks of the chat turns ``texts`` that the second stage will read, judged
         by the first stage on the USE vectors and character scores primed for them (chunks

@@ -216,3 +216,30 @@ def test_what_redaction_leaves_of_held_out_planted_instructions(scorer):
         scorer.primed_only = False
     assert redacted >= 250, redacted
     assert left / redacted <= 0.04, (left, redacted)
+
+
+def test_a_documents_pieces_are_encoded_in_one_call(scorer):
+    """Redaction scores each sentence and pair twice (as a document, as a chat turn): the USE
+    encoder runs once for all of them, not once a check (``UseEncoder.holding``)."""
+    model = scorer.use_encoder()._model
+
+    class _Counting:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def encode(self, texts):
+            self.calls += 1
+            return model.encode(texts)
+
+    facts = [
+        f"Model K{i} holds {i % 3 + 1}.{i % 10} litres and boils a full load in {i % 5 + 2} minutes." for i in range(20)
+    ]
+    document = "\n".join(facts[:10] + [SHEET.splitlines()[1]] + facts[10:])
+    counting = scorer.use_encoder()._model = _Counting()
+    try:
+        verdict = InputGuard(GuardrailPolicy(), injection_scorer=scorer).check_text(document, document=True)
+    finally:
+        scorer.use_encoder()._model = model
+    assert verdict.redacted and "aurora-refunds" not in verdict.text and facts[-1] in verdict.text
+    # The document whole, its pieces in one batch, a few neighbours, what is left: not 80 calls.
+    assert counting.calls <= 8, counting.calls
