@@ -175,6 +175,16 @@ def test_a_planted_field_is_taken_out_of_a_tool_result(client, engine_events):
     assert '"carrier": "DHL"' in prompt and REMOVED in prompt
 
 
+def test_a_planted_sentence_is_taken_out_of_a_client_sent_document(client, engine_events):
+    """The chat ``documents`` field (what a RAG chat template renders) is a document like a
+    passage: the planted sentence goes, the facts reach the engine."""
+    documents = [{"title": "Aurora X2", "text": SHEET}]
+    chat(client, "How long does the Aurora X2 kettle take to boil?", extra_body={"documents": documents})
+    sent = engine_events("started")[0]["fields"]["documents"][0]["text"]
+    assert "three minutes" in sent and "two years" in sent and REMOVED in sent
+    assert "aurora-refunds" not in sent
+
+
 def test_the_search_runs_beside_the_rails_and_embeds_its_own_query(client, engine_events):
     """The Retriever embeds the last user message with its own encoder while the input rails
     check the request: the embedding deployment encodes nothing for a chat, the passage is
