@@ -254,6 +254,12 @@ def _parts(first: str, later: str) -> dict[str, list[str]]:
     return out
 
 
+def planted_payloads() -> list[str]:
+    """Every instruction ``_composed`` plants in documents, longest first (training finds which
+    sentence windows of a planted document hold it: train_injection.window_labels)."""
+    return sorted({p for lines in _parts("payloads", "payloads.txt").values() for p in lines}, key=len, reverse=True)
+
+
 def _unescape(text: str) -> str:
     """Later passes write a line break inside a text as ``\\n`` (one text per line), and
     encoded data as placeholders (``{HEX40}``, ``{B64TEXT}``...) filled here."""

@@ -144,9 +144,9 @@ class InjectionPolicy(StrictModel):
         default_factory=lambda: [AppTemplate(name="open_webui_rag"), AppTemplate(name="open_webui_autocomplete")]
     )
     # Documents are also scored two sentences at a time, so an instruction planted in a long
-    # document is not diluted by the rest: more planted instructions caught, and more benign
-    # documents dropped (README, Guardrails, has both). Ensemble scorer only.
-    document_windows: bool = False
+    # document is not diluted by the rest; the ensemble's document stage was trained on these
+    # windows (README, Guardrails, has it on and off). Ensemble scorer only.
+    document_windows: bool = True
     # A flagged retrieved passage or tool result loses only the sentences (in a JSON tool
     # result: the strings) that set the rail off, when what is left passes the same check; else
     # it is dropped (a passage) or refused (a tool result), as with false; an app template's

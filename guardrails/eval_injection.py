@@ -297,7 +297,10 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path, default=None)
     parser.add_argument("--skip-split", action="store_true", help="only the disjoint eval")
     parser.add_argument(
-        "--document-windows", action="store_true", help="score documents by sentence windows too (the policy's option)"
+        "--no-document-windows",
+        dest="document_windows",
+        action="store_false",
+        help="score documents whole, not by sentence windows too (the policy's option, on by default)",
     )
     parser.add_argument("--latency", action="store_true", help="only time the input rails on the disjoint eval's texts")
     args = parser.parse_args()

@@ -12,6 +12,7 @@ fits on all training rows.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -20,7 +21,8 @@ from typing import get_args
 
 import numpy as np
 
-from guardrails.build_injection_data import DOCUMENT_SOURCES
+from guardrails.build_injection_data import DOCUMENT_SOURCES, planted_payloads
+from guardrails.detectors.documents import json_strings, sentence_window_spans
 from guardrails.detectors.encoders import E5Encoder, UseEncoder
 from guardrails.detectors.injection import (
     DEFAULT_ARTIFACT,
@@ -36,6 +38,7 @@ from guardrails.detectors.injection_ensemble import (
     _logit,
     _sigmoid,
     char_vectorizer,
+    load_scorer,
 )
 from guardrails.detectors.text_fold import fold
 from retrieval.encoder import Backend, SentenceEncoder
@@ -56,6 +59,11 @@ USE_SEEDS = 5
 RECALL_TOLERANCE = 0.03  # cross-validated recall within this of the best counts as a tie
 # MiniLM (English-only) added nothing in cross-validation once USE had its network.
 DEFAULT_COMPONENTS = ("use", "char")
+# The documents' second stage (``train_document_stage``): its network's L2 penalty (0.01 and
+# 0.1 compared on the held-out split), and the share of a planted instruction's characters a window
+# must cover to be an attack (a window with none of it is benign; one between is left out).
+DOCUMENT_STAGE_ALPHA = 0.01
+PAYLOAD_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -299,9 +307,108 @@ def train_second_stage(data: LabelledSet, folds, xs: dict, char_oof: np.ndarray,
     return fields, np.where(stacked >= CASCADE_FLOOR, turn_stacked, stacked)
 
 
+def window_labels(text: str, payloads: list[str]) -> list[int | None]:
+    """Each scoring piece of a planted document (``embedding_chunks``, ``sentence_windows``,
+    then the chunks of its ``json_strings``): 1 when it covers at least ``PAYLOAD_SHARE`` of the
+    planted instruction's characters, 0 when none, None between or when the instruction is
+    not found (as written, or escaped in a JSON tool result)."""
+    spans, cursor = [], 0
+    for chunk in embedding_chunks(text):
+        cursor = text.index(chunk, cursor)
+        spans.append((cursor, cursor + len(chunk)))
+    spans += sentence_window_spans(text)
+    values = [c for value in json_strings(text) for c in embedding_chunks(value)]
+    raw = next((p for p in payloads if p in text or json.dumps(p, ensure_ascii=False)[1:-1] in text), None)
+    if raw is None:
+        return [None] * (len(spans) + len(values))
+    found = raw if raw in text else json.dumps(raw, ensure_ascii=False)[1:-1]
+    start = text.index(found)
+    end = start + len(found)
+    shares = [max(0, min(b, end) - max(a, start)) / len(found) for a, b in spans]
+    # A string value is the instruction's or not (its span in the JSON text is escaped).
+    shares += [1.0 if raw in v else len(v) / len(raw) if v in raw else 0.0 for v in values]
+    return [1 if share >= PAYLOAD_SHARE else 0 if share == 0 else None for share in shares]
+
+
+def train_document_stage(
+    ensemble: InjectionEnsemble, data: LabelledSet, heldout: LabelledSet, target_fpr: float
+) -> InjectionEnsemble:
+    """``ensemble`` with a second stage for documents, and its document threshold calibrated on
+    the held-out split's documents at ``target_fpr``.
+
+    The network reads the USE vector of every scoring piece of the training split's documents
+    (chunks and sentence windows): a benign document's pieces are benign; a planted one's are
+    attacks where they hold the instruction and benign where they hold none of it (these, the
+    same document's other sentences, teach it most). A benign piece of a planted document
+    that appears in one of the held-out split's benign documents (the build plants into
+    documents of either split) is left out, so the calibration reads documents it never saw.
+    The chat attacks (their first chunk, as the first stage reads them) are attacks too: a
+    jailbreak pasted into a document is one, and without them the network learnt only planted
+    instructions and talked the stacker out of 4 in 10 chat attacks scored as documents."""
+    payloads = planted_payloads()
+    held_benign = [t for t, y, s in zip(heldout.texts, heldout.labels, heldout.slots) if s == "document" and y == 0]
+    pieces, labels = [], []
+    for text, label, slot in zip(data.texts, data.labels, data.slots):
+        if slot != "document":
+            if label:
+                pieces.append(embedding_chunks(text)[0])
+                labels.append(1)
+            continue
+        chunks = ensemble.scoring_chunks(text, windows=True)
+        marks = window_labels(text, payloads) if label else [0] * len(chunks)
+        assert len(marks) == len(chunks), "window_labels must see the pieces scoring reads"
+        for piece, mark in zip(chunks, marks):
+            if mark is None or (label and mark == 0 and any(piece in t for t in held_benign)):
+                continue
+            pieces.append(piece)
+            labels.append(mark)
+    y = np.array(labels)
+    x = ensemble.use_encoder().encode([fold(p) for p in pieces])
+    network = _fit("use", x, y, DOCUMENT_STAGE_ALPHA)
+    staged = dataclasses.replace(
+        ensemble,
+        doc_hidden_weights=network.coefs_[0].astype(np.float32),
+        doc_hidden_bias=network.intercepts_[0].astype(np.float32),
+        doc_weights=network.coefs_[1][:, 0].astype(np.float32),
+        doc_bias=float(network.intercepts_[1][0]),
+    )
+    docs = [i for i, s in enumerate(heldout.slots) if s == "document"]
+    scores = np.array([staged.score_document(heldout.texts[i], None, windows=True) for i in docs])
+    held_labels = heldout.labels[docs]
+    recall, threshold = _recall_at(scores, held_labels, held_labels == 0, target_fpr)
+    logger.info(
+        "document stage: %d pieces (%d attacks, chat attacks included); held-out recall %.3f at %.3f (%.0f%% FPR)",
+        len(y),
+        int(y.sum()),
+        recall,
+        threshold,
+        100 * target_fpr,
+    )
+    staged.metadata = {
+        **ensemble.metadata,
+        "document_threshold": round(threshold, 4),
+        "document_target_fpr": target_fpr,
+        "document_stage": {
+            "pieces": len(y),
+            "attack_pieces": int(y.sum()),
+            "alpha": DOCUMENT_STAGE_ALPHA,
+            "calibrated_on": "held-out split documents",
+            "heldout_documents": len(docs),
+            "heldout_recall": round(recall, 4),
+        },
+    }
+    return staged
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--train", type=Path, default=DATA_DIR / "injection_train.jsonl")
+    parser.add_argument(
+        "--heldout",
+        type=Path,
+        default=DATA_DIR / "injection_eval.jsonl",
+        help="the split the documents' second stage is calibrated on",
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_ARTIFACT)
     parser.add_argument(
         "--backend",
@@ -316,30 +423,44 @@ def main() -> None:
     # the first stage's thresholds came out more conservative than the evals needed (1.5-2.2%
     # benign FPR on both disjoint evals, recall 0.79-0.84). README, issue 14.
     parser.add_argument("--target-fpr", type=float, default=0.04, help="benign false-positive rate to aim at")
-    # Documents: a dropped passage silently degrades an answer, and on both disjoint evals the
-    # document FPR came out several times the cross-validated one; 2% keeps product fact
-    # sheets, policies and tool results (README, issue 14).
-    parser.add_argument("--document-target-fpr", type=float, default=0.02, help="the same, for documents")
+    # Documents: calibrated on the held-out split's documents when they have a second stage
+    # (the default), at 5%. Cross-validated thresholds had not transferred: at 2% out of fold,
+    # the held-out split's benign documents came out at 11% and eval3's at 41%; at 5% on the
+    # held-out split, eval2's come out at 4% and eval3's at 10% (README, issue 14).
+    parser.add_argument("--document-target-fpr", type=float, default=0.05, help="the same, for documents")
     parser.add_argument(
         "--components", default=",".join(DEFAULT_COMPONENTS), help=f"comma-separated, of {', '.join(COMPONENTS)}"
     )
     parser.add_argument(
         "--no-second-stage", action="store_true", help="no e5 second stage for chat turns (the first stage alone)"
     )
+    parser.add_argument("--no-document-stage", action="store_true", help="no second stage for documents")
+    parser.add_argument(
+        "--document-stage-only",
+        action="store_true",
+        help="train only the documents' second stage, onto the ensemble already at --out (about a minute)",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     data = load_rows(args.train)
     components = tuple(args.components.split(","))
-    ensemble = train(
-        data,
-        components,
-        args.model_dir,
-        args.backend,
-        args.target_fpr,
-        args.document_target_fpr,
-        second_stage=not args.no_second_stage,
-    )
+    if args.document_stage_only:
+        ensemble = load_scorer(args.out)
+        if not isinstance(ensemble, InjectionEnsemble):
+            parser.error(f"{args.out} is not an ensemble")
+    else:
+        ensemble = train(
+            data,
+            components,
+            args.model_dir,
+            args.backend,
+            args.target_fpr,
+            args.document_target_fpr,
+            second_stage=not args.no_second_stage,
+        )
+    if not args.no_document_stage:
+        ensemble = train_document_stage(ensemble, data, load_rows(args.heldout), args.document_target_fpr)
     ensemble.save(args.out)
     logger.info(
         "wrote %s (%s; threshold %.3f, documents %.3f)",

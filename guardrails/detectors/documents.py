@@ -28,9 +28,10 @@ MAX_REDACTION_PIECES = 64
 # A sentence next to one a flagged document lost goes too at this document score, or this
 # score as a chat turn, or on a heuristic (``InjectionDetector.check``): an instruction's second
 # sentence ("Forward the mail to x.") often scores low on its own. Of the held-out split's
-# planted documents redacted, 9 of 275 keep a sentence of their payload with it (each an inert
-# tail such as "Do not mention this note."), 18 of 284 without.
-NEIGHBOUR_THRESHOLD = 0.1
+# planted documents redacted, 7 of 301 keep a sentence of their payload with it (each an inert
+# tail such as "Do not mention this note."); 6 of 290 at 0.1, the threshold before the document
+# stage, whose pieces score higher (a fact sheet lost a third of its sentences at 0.1).
+NEIGHBOUR_THRESHOLD = 0.5
 NEIGHBOUR_TURN_THRESHOLD = 0.3
 
 
@@ -83,6 +84,38 @@ def sentence_windows(text: str, size: int = DOCUMENT_WINDOW_SENTENCES) -> list[s
     if len(parts) <= size:
         return []
     return [" ".join(parts[i : i + size]) for i in range(len(parts) - size + 1)]
+
+
+def json_strings(text: str) -> list[str]:
+    """The string values of a JSON tool result of at least ``_MIN_UNIT_CHARS`` characters, in
+    order, scored as pieces of their own like sentence windows: an attacker who controls one
+    field of a tool result writes a whole instruction there, and the document stage reads it
+    alone. [] for other text (and JSON nested deeper than Python's stack)."""
+    try:
+        value = _json_document(text)
+    except RecursionError:
+        return []
+    out: list[str] = []
+    stack = [value] if value is not None else []
+    while stack:  # depth-first, in document order
+        item = stack.pop()
+        if isinstance(item, str):
+            if len(item) >= _MIN_UNIT_CHARS:
+                out.append(item)
+        elif isinstance(item, dict):
+            stack.extend(reversed(list(item.values())))
+        elif isinstance(item, list):
+            stack.extend(reversed(item))
+    return out
+
+
+def sentence_window_spans(text: str, size: int = DOCUMENT_WINDOW_SENTENCES) -> list[tuple[int, int]]:
+    """Where each of ``sentence_windows`` lies in the text: its first sentence's start to its
+    last one's end (training labels a window by the planted instruction it overlaps)."""
+    units = _units(text)
+    if len(units) <= size:
+        return []
+    return [(units[i][1], units[i + size - 1][2]) for i in range(len(units) - size + 1)]
 
 
 def redaction_pieces(text: str) -> list[str]:

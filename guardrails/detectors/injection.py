@@ -391,7 +391,7 @@ class InjectionDetector:
         use_heuristics: bool = True,
         rail: str = "injection",
         document_threshold: float | None = None,
-        document_windows: bool = False,
+        document_windows: bool = True,
         document_redaction: bool = False,
     ) -> None:
         for value in (threshold, document_threshold):

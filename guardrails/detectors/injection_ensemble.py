@@ -13,7 +13,11 @@
 A **second stage** for chat turns (``cascade_floor``): a turn whose stacked score is at least
 the floor (0.05; most everyday turns score below it) is scored again by a network over its USE
 and multilingual-e5-small vectors side by side (encoders.py: ~100 languages; 20-400 ms of CPU a
-chunk, so not for every turn), stacked with the character model. Documents have no second stage.
+chunk, so not for every turn), stacked with the character model. Documents have a second stage of their own
+(``doc_*``): a network over each piece's USE vector (so no e5, and no encoding beyond the
+first stage's), trained on sentence windows labelled by whether they hold the planted
+instruction, its logit averaged with the document stacker's. It reads every piece, as
+documents are scored over their sentence windows (``injection.document_windows``).
 
 Both text components read the folded text (text_fold.py). A stacker (a logistic regression over
 the components' logits, fitted on out-of-fold scores) gives P(injection); documents (retrieved
@@ -36,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from guardrails.detectors.documents import sentence_windows
+from guardrails.detectors.documents import json_strings, sentence_windows
 from guardrails.detectors.encoders import E5_WINDOW_TOKENS, E5Encoder, Primed, UseEncoder
 from guardrails.detectors.injection import InjectionClassifier, embedding_chunks
 from guardrails.detectors.text_fold import decoded_payloads, fold
@@ -86,6 +90,15 @@ def _flush_subnormal(weights: np.ndarray | None) -> np.ndarray | None:
     return np.where(np.abs(weights) < tiny, weights.dtype.type(0), weights)
 
 
+def _network_logit(x: np.ndarray, hidden_weights, hidden_bias, weights) -> np.ndarray:
+    """A one-hidden-layer ReLU network's logit before its output bias (no hidden layer: a
+    linear model)."""
+    assert weights is not None
+    if hidden_weights is not None:
+        x = np.maximum(x @ hidden_weights + hidden_bias, 0.0)
+    return x @ weights
+
+
 def _logit(p: np.ndarray) -> np.ndarray:
     p = np.clip(p, 1e-6, 1 - 1e-6)
     return np.log(p / (1 - p))
@@ -95,18 +108,18 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(-x))
 
 
-@dataclass
+@dataclass(kw_only=True)
 class InjectionEnsemble:
     """Stacked component classifiers; satisfies `InjectionScorer` (with a document threshold)."""
 
     components: tuple[str, ...]
-    minilm: InjectionClassifier | None
-    use_weights: np.ndarray | None
-    use_bias: float
-    char_weights: np.ndarray | None
-    char_bias: float
+    minilm: InjectionClassifier | None = None
     stack_weights: np.ndarray
     stack_bias: float
+    use_weights: np.ndarray | None = None
+    use_bias: float = 0.0
+    char_weights: np.ndarray | None = None
+    char_bias: float = 0.0
     metadata: dict[str, Any] = field(default_factory=dict)
     # A stacker of its own for documents (retrieved passages, tool results): fitted on document
     # rows, where the components' strengths differ from chat turns'. None: the chat stacker.
@@ -125,12 +138,19 @@ class InjectionEnsemble:
     turn_bias: float = 0.0
     turn_stack_weights: np.ndarray | None = None
     turn_stack_bias: float = 0.0
+    # The second stage for documents: a network over a piece's USE vector (ReLU hidden layer,
+    # then ``doc_weights``), trained on sentence windows labelled by whether they hold the
+    # planted instruction; its logit and the document stacker's are averaged. None: none.
+    doc_hidden_weights: np.ndarray | None = None
+    doc_hidden_bias: np.ndarray | None = None
+    doc_weights: np.ndarray | None = None
+    doc_bias: float = 0.0
 
     def __post_init__(self) -> None:
         # Weight decay leaves many weights subnormal (60,413 of the USE network's 655,360), and
         # a product with subnormals runs at a fraction of the CPU's speed: the network's matrix
         # product took 0.87 ms a text instead of 25 us. As zeros they change no score.
-        for name in ("use_hidden_weights", "use_weights", "char_weights", "turn_hidden_weights", "turn_weights"):
+        for name in ("use_hidden_weights", "use_weights", "char_weights", "turn_hidden_weights", "turn_weights", *_DOC):
             setattr(self, name, _flush_subnormal(getattr(self, name)))
         self._use: UseEncoder | None = None
         self._e5: E5Encoder | None = None
@@ -174,6 +194,11 @@ class InjectionEnsemble:
         return self.turn_weights is not None
 
     @property
+    def reads_documents(self) -> bool:
+        """Whether documents have a second stage (``doc_*``), which reads their sentence windows."""
+        return self.doc_weights is not None
+
+    @property
     def cascade_floor(self) -> float:
         return float(self.metadata.get("cascade_floor", CASCADE_FLOOR))
 
@@ -198,11 +223,13 @@ class InjectionEnsemble:
 
     def scoring_chunks(self, text: str, *, windows: bool = False) -> list[str]:
         """The pieces a text is scored on (its maximum is the text's score): its
-        ``embedding_chunks``, and with ``windows`` also its ``sentence_windows`` (not with a
-        MiniLM component, whose vectors the caller computed for the chunks alone)."""
+        ``embedding_chunks``, and with ``windows`` also its ``sentence_windows`` and, a JSON
+        tool result, its long string values (``json_strings``); not with a MiniLM component,
+        whose vectors the caller computed for the chunks alone."""
         chunks = embedding_chunks(text)
         if windows and not self.uses_embedding:
             chunks += sentence_windows(text)
+            chunks += [c for value in json_strings(text) for c in embedding_chunks(value)]
         return chunks
 
     def _score(self, text: str, embedding: np.ndarray | None, *, document: bool, windows: bool = False) -> float:
@@ -237,6 +264,10 @@ class InjectionEnsemble:
                 columns.append(self._char_scores(folded))
         parts = np.stack(columns, axis=1)
         first = self.stack(parts, document=document)
+        if document and self.reads_documents:
+            assert use_vectors is not None
+            doc = _network_logit(use_vectors, self.doc_hidden_weights, self.doc_hidden_bias, self.doc_weights)
+            return parts, first, _sigmoid((_logit(first) + doc + self.doc_bias) / 2)
         if document or not self.cascades:
             return parts, first, first
         hot = _top_hot(first, self.cascade_floor)
@@ -257,9 +288,7 @@ class InjectionEnsemble:
         return self.stages(chunks, minilm_vectors, document=True)[0]
 
     def _turn_logit(self, x: np.ndarray) -> np.ndarray:
-        assert self.turn_hidden_weights is not None and self.turn_weights is not None
-        hidden = np.maximum(x @ self.turn_hidden_weights + self.turn_hidden_bias, 0.0)
-        return hidden @ self.turn_weights + self.turn_bias
+        return _network_logit(x, self.turn_hidden_weights, self.turn_hidden_bias, self.turn_weights) + self.turn_bias
 
     def stack(self, scores: np.ndarray, *, document: bool = False) -> np.ndarray:
         """Combined P(injection) from (n, n_components) component probabilities."""
@@ -270,11 +299,10 @@ class InjectionEnsemble:
         return _sigmoid(_logit(np.atleast_2d(scores)) @ weights + bias)
 
     def score_use(self, vectors: np.ndarray) -> np.ndarray:
-        assert self.use_weights is not None
         x = np.atleast_2d(vectors)
-        if self.use_hidden_weights is not None:
-            x = np.maximum(x @ self.use_hidden_weights + self.use_hidden_bias, 0.0)
-        return _sigmoid(x @ self.use_weights + self.use_bias)
+        return _sigmoid(
+            _network_logit(x, self.use_hidden_weights, self.use_hidden_bias, self.use_weights) + self.use_bias
+        )
 
     def score_char(self, texts: list[str]) -> np.ndarray:
         assert self._char is not None and self.char_weights is not None
@@ -407,30 +435,9 @@ class InjectionEnsemble:
         }
         if self.minilm is not None:
             arrays |= {"weights": self.minilm.weights, "bias": np.float32(self.minilm.bias)}
-        if self.use_weights is not None:
-            arrays |= {"use_weights": self.use_weights.astype(np.float32), "use_bias": np.float32(self.use_bias)}
-        if self.char_weights is not None:
-            arrays |= {"char_weights": self.char_weights.astype(np.float32), "char_bias": np.float32(self.char_bias)}
-        if self.use_hidden_weights is not None:
-            arrays |= {
-                "use_hidden_weights": self.use_hidden_weights.astype(np.float32),
-                "use_hidden_bias": np.asarray(self.use_hidden_bias, dtype=np.float32),
-            }
-        if self.cascades:
-            assert self.turn_stack_weights is not None
-            arrays |= {
-                "turn_hidden_weights": np.asarray(self.turn_hidden_weights, dtype=np.float32),
-                "turn_hidden_bias": np.asarray(self.turn_hidden_bias, dtype=np.float32),
-                "turn_weights": np.asarray(self.turn_weights, dtype=np.float32),
-                "turn_bias": np.float32(self.turn_bias),
-                "turn_stack_weights": self.turn_stack_weights.astype(np.float32),
-                "turn_stack_bias": np.float32(self.turn_stack_bias),
-            }
-        if self.doc_stack_weights is not None:
-            arrays |= {
-                "doc_stack_weights": self.doc_stack_weights.astype(np.float32),
-                "doc_stack_bias": np.float32(self.doc_stack_bias),
-            }
+        for group in _OPTIONAL_ARRAYS:
+            if getattr(self, group[0]) is not None:
+                arrays |= {name: np.asarray(getattr(self, name), dtype=np.float32) for name in group}
         np.savez_compressed(Path(path), **arrays)
 
     @classmethod
@@ -439,32 +446,25 @@ class InjectionEnsemble:
         unknown = set(components) - set(COMPONENTS)
         if unknown:
             raise ValueError(f"unknown ensemble components {sorted(unknown)}")
-        metadata = json.loads(str(data["metadata"]))
         has = set(data.files)
         minilm = (
             InjectionClassifier(data["weights"].astype(np.float32), float(data["bias"]), {"threshold": 0.5})
             if "weights" in has
             else None
         )
+        optional = {
+            name: data[name].astype(np.float32) if data[name].ndim else float(data[name])
+            for group in _OPTIONAL_ARRAYS
+            if group[0] in has
+            for name in group
+        }
         return cls(
             components=components,
             minilm=minilm,
-            use_weights=data["use_weights"].astype(np.float32) if "use_weights" in has else None,
-            use_bias=float(data["use_bias"]) if "use_bias" in has else 0.0,
-            char_weights=data["char_weights"].astype(np.float32) if "char_weights" in has else None,
-            char_bias=float(data["char_bias"]) if "char_bias" in has else 0.0,
             stack_weights=data["stack_weights"].astype(np.float32),
             stack_bias=float(data["stack_bias"]),
-            metadata=metadata,
-            doc_stack_weights=data["doc_stack_weights"].astype(np.float32) if "doc_stack_weights" in has else None,
-            doc_stack_bias=float(data["doc_stack_bias"]) if "doc_stack_bias" in has else 0.0,
-            use_hidden_weights=data["use_hidden_weights"].astype(np.float32) if "use_hidden_weights" in has else None,
-            use_hidden_bias=data["use_hidden_bias"].astype(np.float32) if "use_hidden_bias" in has else None,
-            **(
-                {name: data[name].astype(np.float32) if data[name].ndim else float(data[name]) for name in _TURN_ARRAYS}
-                if "turn_weights" in has
-                else {}
-            ),
+            metadata=json.loads(str(data["metadata"])),
+            **optional,
         )
 
 
@@ -477,13 +477,15 @@ def _top_hot(first: np.ndarray, floor: float) -> np.ndarray:
     return hot
 
 
-_TURN_ARRAYS = (
-    "turn_hidden_weights",
-    "turn_hidden_bias",
-    "turn_weights",
-    "turn_bias",
-    "turn_stack_weights",
-    "turn_stack_bias",
+_DOC = ("doc_hidden_weights", "doc_weights")
+# Weights saved and loaded together, each group when its first is present (scalars as floats).
+_OPTIONAL_ARRAYS = (
+    ("use_weights", "use_bias"),
+    ("use_hidden_weights", "use_hidden_bias"),
+    ("char_weights", "char_bias"),
+    ("doc_stack_weights", "doc_stack_bias"),
+    ("turn_hidden_weights", "turn_hidden_bias", "turn_weights", "turn_bias", "turn_stack_weights", "turn_stack_bias"),
+    ("doc_hidden_weights", "doc_hidden_bias", "doc_weights", "doc_bias"),
 )
 
 

@@ -178,10 +178,10 @@ def test_pii_is_still_checked_over_the_whole_message(guard):
 def test_the_deployment_primes_the_pieces_it_will_score(guard):
     text = compose(VERSIONS["v2_id"], [FACT], "How long does it take to boil?")
     scored = guard.scored_texts(text)
-    # (text, also scored by sentence windows, a chat turn): documents would be windowed with
-    # injection.document_windows; the question is the turn the second stage may read.
+    # (text, also scored by sentence windows, a chat turn): the source is a document, windowed
+    # (injection.document_windows); the question is the turn the second stage may read.
     assert scored == [
-        (f'<source id="1" name="doc1.txt">{FACT}</source>', False, False),
+        (f'<source id="1" name="doc1.txt">{FACT}</source>', True, False),
         ("How long does it take to boil?", False, True),
     ]
     assert guard.scored_texts("hello there") == [("hello there", False, True)]

