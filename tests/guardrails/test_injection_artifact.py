@@ -1,6 +1,7 @@
 """The shipped injection artifact: how training builds it and how the scorer serves it."""
 
 import numpy as np
+import pytest
 
 from guardrails.detectors.injection_ensemble import InjectionEnsemble
 from guardrails.train_injection import USE_SEEDS, _fit
@@ -162,3 +163,51 @@ def test_window_labels_mark_the_pieces_that_hold_the_planted_instruction():
     assert window_labels(tool, [quoted]) == [1, 0, 1]  # the whole, then "carrier", then "note"
     # Not found: every piece is left out.
     assert window_labels(text, ["something else entirely"]) == [None] * (1 + len(windows))
+
+
+def test_training_the_document_stage_end_to_end_on_a_sample():
+    """``train_document_stage`` on a sample of the real splits, with the shipped first stage:
+    the stage is fitted on labelled pieces (chat attacks included) and the document threshold
+    is the held-out documents' point at the target FPR; the ensemble it started from is unchanged."""
+    import dataclasses
+
+    from guardrails.detectors.injection import DEFAULT_ARTIFACT
+    from guardrails.detectors.injection_ensemble import load_scorer
+    from guardrails.train_injection import DATA_DIR, LabelledSet, load_rows, train_document_stage
+
+    def sample(data: LabelledSet, picks: list[tuple[str, int, int]]) -> LabelledSet:
+        chosen: list[int] = []
+        for slot, label, n in picks:
+            chosen += [i for i, (s, y) in enumerate(zip(data.slots, data.labels)) if s == slot and y == label][:n]
+        fields = dataclasses.fields(LabelledSet)
+        return LabelledSet(
+            **{
+                f.name: (
+                    getattr(data, f.name)[chosen] if f.name == "labels" else [getattr(data, f.name)[i] for i in chosen]
+                )
+                for f in fields
+            }
+        )
+
+    base = load_scorer(DEFAULT_ARTIFACT)
+    train = sample(
+        load_rows(DATA_DIR / "injection_train.jsonl"), [("document", 0, 30), ("document", 1, 30), ("user", 1, 20)]
+    )
+    held = sample(load_rows(DATA_DIR / "injection_eval.jsonl"), [("document", 0, 40), ("document", 1, 20)])
+    staged = train_document_stage(base, train, held, 0.05)
+    stage = staged.metadata["document_stage"]
+    assert staged.reads_documents and staged.doc_hidden_weights.shape == (512, 256 * USE_SEEDS)
+    assert stage["heldout_documents"] == 60 and stage["pieces"] > 80
+    # Every chat attack is one attack piece (its first chunk); benign chat turns are none.
+    docs_only = dataclasses.replace(
+        train,
+        **{f: getattr(train, f)[:60] for f in ("texts", "sources", "groups", "categories", "slots")},
+        labels=train.labels[:60],
+    )
+    alone = train_document_stage(base, docs_only, held, 0.05).metadata["document_stage"]
+    assert (stage["pieces"] - alone["pieces"], stage["attack_pieces"] - alone["attack_pieces"]) == (20, 20)
+    scores = np.array([staged.score_document(t, None, windows=True) for t in held.texts])
+    flagged = scores >= staged.calibrated_document_threshold
+    assert flagged[held.labels == 0].sum() <= 2  # 5% of 40
+    assert flagged[held.labels == 1].mean() == pytest.approx(stage["heldout_recall"], abs=1e-9)
+    assert base.doc_weights is not None and not np.array_equal(base.doc_weights, staged.doc_weights)
