@@ -337,7 +337,7 @@ def train_document_stage(
     the held-out split's documents at ``target_fpr``.
 
     The network reads the USE vector of every scoring piece of the training split's documents
-    (chunks and sentence windows): a benign document's pieces are benign; a planted one's are
+    (chunks, sentence windows, JSON string values): a benign document's pieces are benign; a planted one's are
     attacks where they hold the instruction and benign where they hold none of it (these, the
     same document's other sentences, teach it most). A benign piece of a planted document
     that appears in one of the held-out split's benign documents (the build plants into
