@@ -29,6 +29,7 @@ changed its default) are tried in turn; the best-covered one is used.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,12 +75,19 @@ def _placeholder(line: str) -> str | None:
 @dataclass(frozen=True)
 class Piece:
     """One part of a message and how the injection rail judges it. A document's ``span`` is
-    where it stands in the message (``text == message[start:end]``), to remove it from there."""
+    where it stands in the message, to remove it from there (``text == message[start:end]``
+    when ``part`` is "whole")."""
 
     text: str
     kind: Kind
     span: tuple[int, int] | None = None
-    block: bool = False  # a context block judged whole: its elements' text without their tags
+    # What of the span ``text`` is: a ``<source>`` element's text without its tags, or its
+    # attribute values; a context block judged whole (its elements' text without their tags).
+    part: Literal["whole", "text", "attributes", "block"] = "whole"
+
+    @property
+    def block(self) -> bool:
+        return self.part == "block"
 
 
 @dataclass(frozen=True)
@@ -216,11 +224,15 @@ class TemplateMatcher:
 
 def _documents(text: str, start: int, end: int) -> list[Piece]:
     """A context block's documents (``text[start:end]``), each with its span: every
-    ``<source ...>...</source>`` element (its attributes, such as a file name, included), every
-    run of other text between them, and, when there are several, the whole block as well, so a
-    document cut into elements by a ``</source><source>`` of its own is also judged whole.
-    Linear: str.find."""
+    ``<source ...>...</source>`` element, every run of other text between them, and, when there
+    are several, the whole block as well, so a document cut into elements by a
+    ``</source><source>`` of its own is also judged whole. An element is judged as its text
+    (without tags), and its attribute values (a file name an attacker chose) as a text of their
+    own: markup around a document makes a classifier read it as a hidden instruction (eval2's
+    benign documents, flagged 7.8% bare and 23.5% in tags). Linear: str.find."""
+    pieces: list[Piece] = []
     spans: list[tuple[int, int]] = []
+    elements: set[tuple[int, int]] = set()
     pos = start
     while pos < end:
         open_at = text.find("<source", pos, end)
@@ -229,14 +241,35 @@ def _documents(text: str, start: int, end: int) -> list[Piece]:
             spans.append(stripped_span(text, pos, end))
             break
         spans.append(stripped_span(text, pos, open_at))
-        spans.append((open_at, close_at + len("</source>")))
-        pos = close_at + len("</source>")
+        span = (open_at, close_at + len("</source>"))
+        spans.append(span)
+        elements.add(span)
+        tag_end = text.find(">", open_at, close_at)
+        body = untagged(text[tag_end + 1 : close_at]).strip() if tag_end >= 0 else ""
+        attributes = attribute_text(text[open_at + len("<source") : tag_end if tag_end >= 0 else close_at])
+        pieces += [
+            Piece(t, "document", span, part=part) for t, part in ((body, "text"), (attributes, "attributes")) if t
+        ]
+        pos = span[1]
     spans = [(a, b) for a, b in spans if b > a]
-    pieces = [Piece(text[a:b], "document", (a, b)) for a, b in spans]
+    pieces += [Piece(text[a:b], "document", (a, b)) for a, b in spans if (a, b) not in elements]
+    pieces.sort(key=lambda p: p.span)
     if len(spans) > 1:
         a, b = stripped_span(text, start, end)
-        pieces.append(Piece(untagged(text[a:b]), "document", (a, b), block=True))
+        pieces.append(Piece(untagged(text[a:b]), "document", (a, b), part="block"))
     return pieces
+
+
+_ATTRIBUTE = re.compile(r"""[\w:.-]+\s*=\s*(?:"([^"]*)"|'([^']*)'|([^\s"'>]+))""")
+
+
+def attribute_text(tag: str) -> str:
+    """What a tag says (``tag``: what stands between ``<source`` and ``>``): its attributes'
+    values and any other words in it, one per line, without the attribute names and the
+    values that are numbers (an ``id``)."""
+    spoken = _ATTRIBUTE.sub(lambda m: "\n" + "".join(m.groups(default="")) + "\n", tag)
+    lines = (line.strip() for line in spoken.split("\n"))
+    return "\n".join(line for line in lines if line and not line.isdigit())
 
 
 def untagged(text: str) -> str:

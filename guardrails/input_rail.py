@@ -185,7 +185,10 @@ class InputGuard:
                     # A template's document is redacted or dropped, not the request, as a
                     # retrieved passage is (a rail error still refuses the request).
                     seen.pop()
-                    removed.append((piece.span, REMOVED_DOCUMENT if piece.block else self._redacted_source(piece.text)))
+                    a, b = piece.span
+                    # A flagged tag (its file name) goes with its element; flagged text is redacted in it.
+                    redactable = piece.part in ("whole", "text")
+                    removed.append((piece.span, self._redacted_source(judged[a:b]) if redactable else REMOVED_DOCUMENT))
                 elif seen and seen[-1].blocked:
                     break
             if removed and not (seen and seen[-1].blocked):

@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import get_args
@@ -41,6 +42,7 @@ from guardrails.detectors.injection_ensemble import (
     load_scorer,
 )
 from guardrails.detectors.text_fold import fold
+from guardrails.planting import written_forms
 from retrieval.encoder import Backend, SentenceEncoder
 
 logger = logging.getLogger(__name__)
@@ -110,8 +112,19 @@ def threshold_for_fpr(benign_scores: np.ndarray, target_fpr: float) -> float:
     ordered = np.sort(benign_scores)[::-1]
     allowed = int(np.floor(target_fpr * len(ordered)))
     # Scores strictly above the (allowed+1)-th highest benign score are flagged.
-    cut = ordered[allowed] if allowed < len(ordered) else 0.0
-    return float(np.nextafter(np.float32(cut), np.float32(1.0)))
+    cut = float(ordered[allowed]) if allowed < len(ordered) else 0.0
+    # The next float32 strictly above it (stored as float32): rounding a float64 score to
+    # float32 can go down, and one step up from there can still be at or below the score.
+    threshold = np.float32(cut)
+    while float(threshold) <= cut:
+        threshold = np.nextafter(threshold, np.float32(np.inf))
+    return float(threshold)
+
+
+def _stored(threshold: float) -> float:
+    """A threshold as the artifact keeps it, four decimals, rounded up: rounded down, it could
+    flag a benign text the calibration had left just under it."""
+    return math.ceil(threshold * 10_000) / 10_000
 
 
 def _recall_at(scores: np.ndarray, labels: np.ndarray, benign: np.ndarray, target_fpr: float) -> tuple[float, float]:
@@ -265,8 +278,8 @@ def train(
         doc_stack_bias=float(doc_stacker.intercept_[0]),
         **turn,
         metadata={
-            "threshold": round(threshold, 4),
-            "document_threshold": round(doc_threshold, 4),
+            "threshold": _stored(threshold),
+            "document_threshold": _stored(doc_threshold),
             "target_fpr": target_fpr,
             "document_target_fpr": doc_fpr,
             "embedding_model": EMBEDDING_MODEL,
@@ -311,17 +324,17 @@ def window_labels(text: str, payloads: list[str]) -> list[int | None]:
     """Each scoring piece of a planted document (``embedding_chunks``, ``sentence_windows``,
     then the chunks of its ``json_strings``): 1 when it covers at least ``PAYLOAD_SHARE`` of the
     planted instruction's characters, 0 when none, None between or when the instruction is
-    not found (as written, or escaped in a JSON tool result)."""
+    not found (as written, or escaped in a JSON tool result, non-ASCII text too or not)."""
     spans, cursor = [], 0
     for chunk in embedding_chunks(text):
         cursor = text.index(chunk, cursor)
         spans.append((cursor, cursor + len(chunk)))
     spans += sentence_window_spans(text)
     values = [c for value in json_strings(text) for c in embedding_chunks(value)]
-    raw = next((p for p in payloads if p in text or json.dumps(p, ensure_ascii=False)[1:-1] in text), None)
+    raw = next((p for p in payloads if any(f in text for f in written_forms(p))), None)
     if raw is None:
         return [None] * (len(spans) + len(values))
-    found = raw if raw in text else json.dumps(raw, ensure_ascii=False)[1:-1]
+    found = next(f for f in written_forms(raw) if f in text)
     start = text.index(found)
     end = start + len(found)
     shares = [max(0, min(b, end) - max(a, start)) / len(found) for a, b in spans]
@@ -386,7 +399,7 @@ def train_document_stage(
     )
     staged.metadata = {
         **ensemble.metadata,
-        "document_threshold": round(threshold, 4),
+        "document_threshold": _stored(threshold),
         "document_target_fpr": target_fpr,
         "document_stage": {
             "pieces": len(y),

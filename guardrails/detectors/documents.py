@@ -11,6 +11,7 @@ never lets through text that the same check would refuse on its own.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from typing import Any
@@ -87,10 +88,10 @@ def sentence_windows(text: str, size: int = DOCUMENT_WINDOW_SENTENCES) -> list[s
 
 
 def json_strings(text: str) -> list[str]:
-    """The string values of a JSON tool result of at least ``_MIN_UNIT_CHARS`` characters, in
-    order, scored as pieces of their own like sentence windows: an attacker who controls one
-    field of a tool result writes a whole instruction there, and the document stage reads it
-    alone. [] for other text (and JSON nested deeper than Python's stack)."""
+    """The strings of a JSON tool result (values, and keys) of at least ``_MIN_UNIT_CHARS``
+    characters, in order, scored as pieces of their own like sentence windows: an attacker who
+    controls one field of a tool result writes a whole instruction there, and the document
+    stage reads it alone. [] for other text (and JSON nested deeper than Python's stack)."""
     try:
         value = _json_document(text)
     except RecursionError:
@@ -103,7 +104,7 @@ def json_strings(text: str) -> list[str]:
             if len(item) >= _MIN_UNIT_CHARS:
                 out.append(item)
         elif isinstance(item, dict):
-            stack.extend(reversed(list(item.values())))
+            stack.extend(reversed([x for pair in item.items() for x in pair]))
         elif isinstance(item, list):
             stack.extend(reversed(item))
     return out
@@ -132,9 +133,11 @@ def redaction_pieces(text: str) -> list[str]:
     return [u for u, _, _ in units] + [_pair(units, i) for i in range(len(units) - 1)]
 
 
+@functools.lru_cache(maxsize=4)
 def _json_document(text: str) -> dict | list | None:
     """The JSON object or array ``text`` is (a tool result), else None; RecursionError when it
-    is nested deeper than Python's stack."""
+    is nested deeper than Python's stack. Cached (never mutated): a tool result is read while
+    its chunks are encoded ahead, scored, and redacted, a parse each otherwise."""
     if text.lstrip()[:1] not in ("{", "["):
         return None
     try:
