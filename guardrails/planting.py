@@ -120,12 +120,12 @@ def tool_result(doc: str, rng: random.Random) -> str:
     Python's ``json.dumps`` writes it by default."""
     parts = sentences(doc) or [doc]
     title = lambda t: " ".join(t.split()[:6]).rstrip(".,;:!?。")  # noqa: E731
-    slug = lambda i: f"https://{rng.choice(_HOSTS)}/{rng.choice(['page', 'kb', 'a', 'doc'])}/{rng.randrange(10, 9999)}"  # noqa: E731
+    url = lambda: f"https://{rng.choice(_HOSTS)}/{rng.choice(['page', 'kb', 'a', 'doc'])}/{rng.randrange(10, 9999)}"  # noqa: E731
     shape = rng.randrange(5)
     if shape == 0:
         value: dict | list = {
             "query": title(parts[0]).lower(),
-            "results": [{"title": title(p), "url": slug(i), "snippet": p} for i, p in enumerate(parts)],
+            "results": [{"title": title(p), "url": url(), "snippet": p} for p in parts],
         }
     elif shape == 1:
         pairs = [" ".join(parts[i : i + 2]) for i in range(0, len(parts), 2)]

@@ -112,13 +112,10 @@ def threshold_for_fpr(benign_scores: np.ndarray, target_fpr: float) -> float:
     ordered = np.sort(benign_scores)[::-1]
     allowed = int(np.floor(target_fpr * len(ordered)))
     # Scores strictly above the (allowed+1)-th highest benign score are flagged.
-    cut = float(ordered[allowed]) if allowed < len(ordered) else 0.0
-    # The next float32 strictly above it (stored as float32): rounding a float64 score to
-    # float32 can go down, and one step up from there can still be at or below the score.
-    threshold = np.float32(cut)
-    while float(threshold) <= cut:
-        threshold = np.nextafter(threshold, np.float32(np.inf))
-    return float(threshold)
+    cut = ordered[allowed] if allowed < len(ordered) else 0.0
+    # One float32 step up from the nearest float32 is above the cut even when rounding went
+    # down; toward infinity, so a cut at 1.0 (saturated scores) is not flagged either.
+    return float(np.nextafter(np.float32(cut), np.float32(np.inf)))
 
 
 def _stored(threshold: float) -> float:

@@ -211,3 +211,16 @@ def test_training_the_document_stage_end_to_end_on_a_sample():
     assert flagged[held.labels == 0].sum() <= 2  # 5% of 40
     assert flagged[held.labels == 1].mean() == pytest.approx(stage["heldout_recall"], abs=1e-9)
     assert base.doc_weights is not None and not np.array_equal(base.doc_weights, staged.doc_weights)
+
+
+def test_a_calibrated_threshold_never_flags_more_benign_texts_than_allowed():
+    """The threshold lies strictly above the cut, as float32 and as the artifact stores it (four
+    decimals, rounded up; rounded, 0.66572 had been stored as 0.6657 and flagged a third benign
+    document of 40 where two were allowed), and saturated scores at 1.0 are not flagged."""
+    from guardrails.train_injection import _stored, threshold_for_fpr
+
+    rng = np.random.default_rng(0)
+    for scores in (rng.uniform(0.6, 0.7, 40), np.array([0.66572429991463] * 3 + [0.1] * 37), np.ones(40)):
+        for threshold in (threshold_for_fpr(scores, 0.05), _stored(threshold_for_fpr(scores, 0.05))):
+            assert (scores >= threshold).sum() <= 2, threshold
+    assert _stored(0.66572) == 0.6658 and _stored(0.6657) == 0.6657
