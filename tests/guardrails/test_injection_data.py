@@ -142,3 +142,24 @@ def test_no_disjoint_eval_text_is_in_the_training_data():
     assert len(evals) > 1400
     built = {r["text"].strip() for split in ("train", "eval") for r in rows(split)}
     assert not built & evals
+
+
+def test_an_experiment_set_is_read_only_when_asked_for():
+    """`handwritten/experiments/<set>/` (`--experiment <set>`): measured, not shipped. The
+    committed splits hold none of its rows; asked for, its chat turns and documents come in
+    under `<set>/` groups, its payloads are planted, and training finds them in any build."""
+    from guardrails.build_injection_data import EXPERIMENTS, _composed, _more_chat, planted_payloads
+    from guardrails.planting import written_forms
+
+    assert (EXPERIMENTS / "agent").is_dir()
+    assert not any("agent/" in r["group"] for split in ("train", "eval") for r in rows(split))
+    assert not any("agent/" in r.group for _, r in _composed())
+    turns = [r for _, r in _more_chat("benign.txt", 0, "ml_benign", "benign_chat", ("agent",))]
+    assert sum(":agent/" in r.group for r in turns) > 400
+    composed = [r for _, r in _composed(("agent",))]
+    planted = [r for r in composed if r.label == 1 and "mlpay:agent/" in r.group]
+    assert len(planted) > 1000 and any("mldoc:agent/" in r.group for r in composed if r.label == 0)
+    forms = [f for p in planted_payloads() for f in written_forms(p)]
+    assert all(any(f in r.text for f in forms) for r in planted)
+    with pytest.raises(FileNotFoundError):
+        list(_composed(("no-such-set",)))
