@@ -29,7 +29,7 @@ endif
 
 models: install $(GATEWAY_MODELS_DIR)/.prepared $(GATEWAY_MODELS_DIR)/injection_classifier.npz
 
-$(GATEWAY_MODELS_DIR)/.prepared: $(VENV)/.installed-$(PROFILE) engines/provision.py retrieval/onnx_export.py
+$(GATEWAY_MODELS_DIR)/.prepared: $(VENV)/.installed-$(PROFILE) engines/provision.py retrieval/onnx_export.py guardrails/detectors/e5_convert.py
 	$(PY) -m engines.provision --models-dir $(GATEWAY_MODELS_DIR)
 	touch $@
 

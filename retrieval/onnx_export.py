@@ -53,9 +53,10 @@ def onnx_path(model_dir: Path | str, *, quantized: bool = False) -> Path:
     return Path(model_dir) / (QUANTIZED_FILE if quantized else ONNX_FILE)
 
 
-def export_onnx(model_dir: Path | str) -> Path:
+def export_onnx(model_dir: Path | str, *, float_matmuls: Callable[[str], bool] | None = None) -> Path:
     """Write ``model_dir/onnx/model.onnx`` and ``model_qint8.onnx``, each checked (against
-    torch, and against float32); return the float32 graph's path.
+    torch, and against float32); return the float32 graph's path. ``float_matmuls``: which
+    MatMul nodes (by name) the int8 graph keeps in float32.
 
     Each is written to a temporary file and renamed into place, so an interrupted export
     never leaves a truncated graph that a replica would later try to load.
@@ -107,10 +108,13 @@ def export_onnx(model_dir: Path | str) -> Path:
     out = _write_checked(onnx_path(model_dir), export)
 
     def quantize(tmp: Path) -> None:
+        import onnx
         from onnxruntime.quantization import QuantType, quantize_dynamic
 
+        graph = onnx.load(str(out), load_external_data=False).graph
+        keep = [n.name for n in graph.node if n.op_type == "MatMul" and float_matmuls and float_matmuls(n.name)]
         # Per-channel weights: per-tensor int8 drifts to cosine 0.75 on some texts (measured).
-        quantize_dynamic(out, tmp, weight_type=QuantType.QInt8, per_channel=True)
+        quantize_dynamic(out, tmp, weight_type=QuantType.QInt8, per_channel=True, nodes_to_exclude=keep)
         got = _run(tmp, feed)
         mask = feed["attention_mask"][:, :, None].astype(np.float32)
         cosine = _rows_cosine((want * mask).sum(1), (got * mask).sum(1))

