@@ -23,7 +23,7 @@ from typing import get_args
 import numpy as np
 
 from guardrails.build_injection_data import DOCUMENT_SOURCES, planted_payloads
-from guardrails.detectors.documents import json_strings, sentence_window_spans
+from guardrails.detectors.documents import document_pieces, sentence_windows
 from guardrails.detectors.encoders import E5Encoder, UseEncoder
 from guardrails.detectors.injection import (
     DEFAULT_ARTIFACT,
@@ -317,26 +317,45 @@ def train_second_stage(data: LabelledSet, folds, xs: dict, char_oof: np.ndarray,
     return fields, np.where(stacked >= CASCADE_FLOOR, turn_stacked, stacked)
 
 
-def window_labels(text: str, payloads: list[str]) -> list[int | None]:
-    """Each scoring piece of a planted document (``embedding_chunks``, ``sentence_windows``,
-    then the chunks of its ``json_strings``): 1 when it covers at least ``PAYLOAD_SHARE`` of the
-    planted instruction's characters, 0 when none, None between or when the instruction is
-    not found (as written, or escaped in a JSON tool result, non-ASCII text too or not)."""
-    spans, cursor = [], 0
+def training_pieces(text: str) -> list[tuple[str, tuple[int, int] | None]]:
+    """The pieces the documents' second stage learns from, with their spans: those scoring
+    reads (``document_pieces``) and, in a document scored by its windows, the whole text's
+    chunks before them. Scoring never reads those chunks, but as examples they help: trained
+    without them, the stage ranked eval2's planted documents worse (recall at 5% FPR 0.765
+    against 0.843) and flagged more of eval5's hard benign documents (45% against 34%)."""
+    pieces = document_pieces(text, embedding_chunks)
+    if not sentence_windows(text):
+        return pieces  # its chunks are what scoring reads
+    whole, cursor = [], 0
     for chunk in embedding_chunks(text):
         cursor = text.index(chunk, cursor)
-        spans.append((cursor, cursor + len(chunk)))
-    spans += sentence_window_spans(text)
-    values = [c for value in json_strings(text) for c in embedding_chunks(value)]
+        whole.append((chunk, (cursor, cursor + len(chunk))))
+    return whole + pieces
+
+
+def window_labels(text: str, payloads: list[str]) -> list[int | None]:
+    """Each of a planted document's ``training_pieces``: 1 when it covers at least
+    ``PAYLOAD_SHARE`` of the planted instruction's characters, 0 when none, None between or
+    when the instruction is not found (as written, or escaped in a JSON tool result, non-ASCII
+    text too or not)."""
+    pieces = training_pieces(text)
     raw = next((p for p in payloads if any(f in text for f in written_forms(p))), None)
     if raw is None:
-        return [None] * (len(spans) + len(values))
+        return [None] * len(pieces)
     found = next(f for f in written_forms(raw) if f in text)
     start = text.index(found)
     end = start + len(found)
-    shares = [max(0, min(b, end) - max(a, start)) / len(found) for a, b in spans]
-    # A string value is the instruction's or not (its span in the JSON text is escaped).
-    shares += [1.0 if raw in v else len(v) / len(raw) if v in raw else 0.0 for v in values]
+    shares = [
+        max(0, min(span[1], end) - max(span[0], start)) / len(found)
+        if span is not None
+        # A string value is the instruction's or not (its span in the JSON text is escaped).
+        else 1.0
+        if raw in piece
+        else len(piece) / len(raw)
+        if piece in raw
+        else 0.0
+        for piece, span in pieces
+    ]
     return [1 if share >= PAYLOAD_SHARE else 0 if share == 0 else None for share in shares]
 
 
@@ -346,8 +365,8 @@ def train_document_stage(
     """``ensemble`` with a second stage for documents, and its document threshold calibrated on
     the held-out split's documents at ``target_fpr``.
 
-    The network reads the USE vector of every scoring piece of the training split's documents
-    (chunks, sentence windows, JSON string values): a benign document's pieces are benign; a planted one's are
+    The network reads the USE vector of every piece of the training split's documents
+    (``training_pieces``): a benign document's pieces are benign; a planted one's are
     attacks where they hold the instruction and benign where they hold none of it (these, the
     same document's other sentences, teach it most). A benign piece of a planted document
     that appears in one of the held-out split's benign documents (the build plants into
@@ -364,9 +383,8 @@ def train_document_stage(
                 pieces.append(embedding_chunks(text)[0])
                 labels.append(1)
             continue
-        chunks = ensemble.scoring_chunks(text, windows=True)
+        chunks = [piece for piece, _ in training_pieces(text)]
         marks = window_labels(text, payloads) if label else [0] * len(chunks)
-        assert len(marks) == len(chunks), "window_labels must see the pieces scoring reads"
         for piece, mark in zip(chunks, marks):
             if mark is None or (label and mark == 0 and any(piece in t for t in held_benign)):
                 continue

@@ -119,6 +119,35 @@ def sentence_window_spans(text: str, size: int = DOCUMENT_WINDOW_SENTENCES) -> l
     return [(units[i][1], units[i + size - 1][2]) for i in range(len(units) - size + 1)]
 
 
+def document_pieces(text: str, chunks: Callable[[str], list[str]]) -> list[tuple[str, tuple[int, int] | None]]:
+    """The pieces a document is scored by, each with where it lies in the text (None for a JSON
+    string value, escaped there): its ``sentence_windows``, a window longer than one encoder
+    window cut by ``chunks`` (so no text is beyond what the encoder reads); the whole text in
+    ``chunks`` when it has no windows (two sentences or fewer); then the ``chunks`` of its
+    ``json_strings``.
+
+    Not the whole text's chunks beside the windows: a chunk of a long document reads up to
+    1,000 characters at once, and long texts look like attacks to a detector whose long
+    training texts are mostly jailbreaks. Scored by their chunks too, 60% of 320 hard benign
+    documents written apart from training (``disjoint/eval5.tsv``; 31% of its fact sheets) were
+    flagged; by their windows, with the document stage retrained so, 40% (8%), and the disjoint
+    evals' planted documents were ranked better (README, Guardrails, "Windows alone")."""
+    pieces: list[tuple[str, tuple[int, int] | None]] = []
+    windows = sentence_windows(text)
+    if windows:
+        for window, (start, end) in zip(windows, sentence_window_spans(text)):
+            cursor = 0
+            for piece in chunks(window):
+                cursor = window.index(piece, cursor)
+                pieces.append((piece, (start + cursor, min(end, start + cursor + len(piece)))))
+    else:
+        cursor = 0
+        for piece in chunks(text):
+            cursor = text.index(piece, cursor)
+            pieces.append((piece, (cursor, cursor + len(piece))))
+    return pieces + [(piece, None) for value in json_strings(text) for piece in chunks(value)]
+
+
 def redaction_pieces(text: str) -> list[str]:
     """The pieces ``redact_flagged`` checks first in a plain-text document (its sentences and
     their neighbouring pairs), for a scorer to encode in one call; [] when it would not check them."""

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from guardrails.detectors.documents import json_strings, sentence_windows
+from guardrails.detectors.documents import document_pieces
 from guardrails.detectors.encoders import E5_WINDOW_TOKENS, E5Encoder, Primed, UseEncoder
 from guardrails.detectors.injection import InjectionClassifier, embedding_chunks
 from guardrails.detectors.text_fold import decoded_payloads, fold
@@ -226,14 +226,12 @@ class InjectionEnsemble:
 
     def scoring_chunks(self, text: str, *, windows: bool = False) -> list[str]:
         """The pieces a text is scored on (its maximum is the text's score): its
-        ``embedding_chunks``, and with ``windows`` also its ``sentence_windows`` and, a JSON
-        tool result, its long string values (``json_strings``); not with a MiniLM component,
-        whose vectors the caller computed for the chunks alone."""
-        chunks = embedding_chunks(text)
+        ``embedding_chunks``, or with ``windows`` a document's pieces (``document_pieces``: its
+        sentence windows and a JSON tool result's long string values); not with a MiniLM
+        component, whose vectors the caller computed for the chunks alone."""
         if windows and not self.uses_embedding:
-            chunks += sentence_windows(text)
-            chunks += [c for value in json_strings(text) for c in embedding_chunks(value)]
-        return chunks
+            return [piece for piece, _ in document_pieces(text, embedding_chunks)]
+        return embedding_chunks(text)
 
     def _score(self, text: str, embedding: np.ndarray | None, *, document: bool, windows: bool = False) -> float:
         chunks = self.scoring_chunks(text, windows=document and windows)

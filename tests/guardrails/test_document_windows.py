@@ -3,12 +3,15 @@ in a long, ordinary document is not diluted by the rest of its chunk."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from guardrails.config import GuardrailPolicy, load_policy
-from guardrails.detectors.documents import REMOVED, sentence_windows, sentences
-from guardrails.detectors.injection import DEFAULT_ARTIFACT
+from guardrails.detectors.documents import REMOVED, document_pieces, sentence_windows, sentences
+from guardrails.detectors.injection import DEFAULT_ARTIFACT, embedding_chunks
 from guardrails.detectors.injection_ensemble import load_scorer
+from guardrails.detectors.text_fold import fold
 from guardrails.input_rail import InputGuard
 
 SHEET = (
@@ -82,5 +85,26 @@ def test_the_deployment_primes_the_windows_it_will_score(guards):
     scorer = windows.injection.scorer
     document = LONG_SHEET + PLANTED
     chunks = scorer.prime_chunks([document], [True])
-    assert len(chunks) == 2 + len(sentence_windows(document))  # two 1000-character chunks, then the windows
-    assert scorer.prime_chunks([document], [False]) == chunks[:2]
+    # Its windows alone: not the two 1000-character chunks a chat turn is scored by.
+    assert chunks == [fold(w) for w in sentence_windows(document)]
+    assert scorer.prime_chunks([document], [False]) == [fold(c) for c in embedding_chunks(document)]
+
+
+def test_a_document_is_scored_by_its_windows_and_no_text_is_beyond_what_the_encoder_reads():
+    """``document_pieces``: the windows, not the whole text's chunks (a long chunk looks like a
+    jailbreak to the detector); a window longer than one encoder window is cut into chunks, so
+    an instruction at the end of a 3,000-character sentence is read; a document of two
+    sentences or fewer is scored by its chunks; a JSON tool result's long strings come last."""
+    assert [p for p, _ in document_pieces(LONG_SHEET, embedding_chunks)] == sentence_windows(LONG_SHEET)
+    run_on = "the kettle " * 300  # one sentence of 3,300 characters, no stop
+    document = f"{SHEET}{run_on}{PLANTED}"
+    pieces = document_pieces(document, embedding_chunks)
+    assert max(len(p) for p, _ in pieces) <= 1000
+    assert any(PLANTED.rstrip(".") in p for p, _ in pieces)
+    for piece, (start, end) in pieces:  # where each lies, for training's labels
+        assert piece.split()[-1] in document[start:end]
+    short = "The kettle holds 1.7 litres. " + PLANTED
+    assert document_pieces(short, embedding_chunks) == [(short, (0, len(short)))]
+    tool = json.dumps({"items": [{"title": "Aurora X2", "summary": SHEET}, {"note": PLANTED}]})
+    pieces = [p for p, _ in document_pieces(tool, embedding_chunks)]
+    assert pieces[-2:] == [SHEET, PLANTED]
