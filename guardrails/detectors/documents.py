@@ -123,29 +123,47 @@ def document_pieces(text: str, chunks: Callable[[str], list[str]]) -> list[tuple
     """The pieces a document is scored by, each with where it lies in the text (None for a JSON
     string value, escaped there): its ``sentence_windows``, a window longer than one encoder
     window cut by ``chunks`` (so no text is beyond what the encoder reads); the whole text in
-    ``chunks`` when it has no windows (two sentences or fewer); then the ``chunks`` of its
-    ``json_strings``.
+    ``chunks`` when it has no windows (two sentences or fewer, a sentence under 40 characters
+    counted with the next); then the ``chunks`` of its ``json_strings``.
 
     Not the whole text's chunks beside the windows: a chunk of a long document reads up to
     1,000 characters at once, and long texts look like attacks to a detector whose long
     training texts are mostly jailbreaks. Scored by their chunks too, 60% of 320 hard benign
     documents written apart from training (``disjoint/eval5.tsv``; 31% of its fact sheets) were
-    flagged; by their windows, with the document stage retrained so, 40% (8%), and the disjoint
+    flagged; by their windows, with the document stage retrained so, 42% (8%), and the disjoint
     evals' planted documents were ranked better (README, Guardrails, "Windows alone")."""
     pieces: list[tuple[str, tuple[int, int] | None]] = []
     windows = sentence_windows(text)
     if windows:
+        spans = sentence_spans(text)
         for window, (start, end) in zip(windows, sentence_window_spans(text)):
+            parts = chunks(window)
+            if len(parts) == 1:
+                pieces.append((window, (start, end)))
+                continue
+            # The window joins its sentences with one space each, whatever separates them in
+            # the text (blank lines, indentation, nothing after "。"): map its offsets back.
+            inside = [(a, b) for a, b in spans if start <= a and b <= end]
             cursor = 0
-            for piece in chunks(window):
+            for piece in parts:
                 cursor = window.index(piece, cursor)
-                pieces.append((piece, (start + cursor, min(end, start + cursor + len(piece)))))
+                pieces.append((piece, (_text_offset(inside, cursor), _text_offset(inside, cursor + len(piece)))))
     else:
         cursor = 0
         for piece in chunks(text):
             cursor = text.index(piece, cursor)
             pieces.append((piece, (cursor, cursor + len(piece))))
     return pieces + [(piece, None) for value in json_strings(text) for piece in chunks(value)]
+
+
+def _text_offset(sentences: list[tuple[int, int]], offset: int) -> int:
+    """Where character ``offset`` of the sentences joined by one space each lies in the text."""
+    position = 0
+    for start, end in sentences:
+        if offset <= position + end - start:
+            return start + offset - position
+        position += end - start + 1
+    return sentences[-1][1]
 
 
 def redaction_pieces(text: str) -> list[str]:

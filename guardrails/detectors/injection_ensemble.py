@@ -221,13 +221,13 @@ class InjectionEnsemble:
 
     def score_document(self, text: str, embedding: np.ndarray | None, *, windows: bool = False) -> float:
         """P(injection) of a document, by the document stacker (the chat one if there is none);
-        ``windows``: over its sentence windows too (``scoring_chunks``)."""
+        ``windows``: over its pieces (``scoring_chunks``), not its chunks."""
         return self._score(text, embedding, document=True, windows=windows)
 
     def scoring_chunks(self, text: str, *, windows: bool = False) -> list[str]:
         """The pieces a text is scored on (its maximum is the text's score): its
         ``embedding_chunks``, or with ``windows`` a document's pieces (``document_pieces``: its
-        sentence windows and a JSON tool result's long string values); not with a MiniLM
+        sentence windows and a JSON tool result's long strings); not with a MiniLM
         component, whose vectors the caller computed for the chunks alone."""
         if windows and not self.uses_embedding:
             return [piece for piece, _ in document_pieces(text, embedding_chunks)]

