@@ -23,7 +23,7 @@ from typing import get_args
 import numpy as np
 
 from guardrails.build_injection_data import DOCUMENT_SOURCES, planted_payloads
-from guardrails.detectors.documents import document_pieces, sentence_windows
+from guardrails.detectors.documents import chunk_spans, document_pieces, sentence_windows
 from guardrails.detectors.encoders import E5Encoder, UseEncoder
 from guardrails.detectors.injection import (
     DEFAULT_ARTIFACT,
@@ -322,41 +322,36 @@ def training_pieces(text: str) -> list[tuple[str, tuple[int, int] | None]]:
     reads (``document_pieces``) and, in a document scored by its windows, the whole text's
     chunks before them. Scoring never reads those chunks, but as examples they help: trained
     without them, the stage ranked eval2's planted documents worse (recall at 5% FPR 0.765
-    against 0.843) and flagged more of eval5's hard benign documents (45% against 34%)."""
+    against 0.824) and flagged more of eval5's hard benign documents (45% against 40%)."""
     pieces = document_pieces(text, embedding_chunks)
     if not sentence_windows(text):
         return pieces  # its chunks are what scoring reads
-    whole, cursor = [], 0
-    for chunk in embedding_chunks(text):
-        cursor = text.index(chunk, cursor)
-        whole.append((chunk, (cursor, cursor + len(chunk))))
-    return whole + pieces
+    return chunk_spans(text, embedding_chunks) + pieces
 
 
-def window_labels(text: str, payloads: list[str]) -> list[int | None]:
-    """Each of a planted document's ``training_pieces``: 1 when it covers at least
-    ``PAYLOAD_SHARE`` of the planted instruction's characters, 0 when none, None between or
-    when the instruction is not found (as written, or escaped in a JSON tool result, non-ASCII
-    text too or not)."""
-    pieces = training_pieces(text)
+def window_labels(
+    text: str, payloads: list[str], pieces: list[tuple[str, tuple[int, int] | None]] | None = None
+) -> list[int | None]:
+    """Each of a planted document's ``pieces`` (default: its ``training_pieces``): 1 when it
+    covers at least ``PAYLOAD_SHARE`` of the planted instruction's characters, 0 when none,
+    None between or when the instruction is not found (as written, or escaped in a JSON tool
+    result, non-ASCII text too or not)."""
+    pieces = training_pieces(text) if pieces is None else pieces
     raw = next((p for p in payloads if any(f in text for f in written_forms(p))), None)
     if raw is None:
         return [None] * len(pieces)
     found = next(f for f in written_forms(raw) if f in text)
     start = text.index(found)
     end = start + len(found)
-    shares = [
-        max(0, min(span[1], end) - max(span[0], start)) / len(found)
-        if span is not None
+
+    def share(piece: str, span: tuple[int, int] | None) -> float:
+        if span is not None:
+            return max(0, min(span[1], end) - max(span[0], start)) / len(found)
         # A string value is the instruction's or not (its span in the JSON text is escaped).
-        else 1.0
-        if raw in piece
-        else len(piece) / len(raw)
-        if piece in raw
-        else 0.0
-        for piece, span in pieces
-    ]
-    return [1 if share >= PAYLOAD_SHARE else 0 if share == 0 else None for share in shares]
+        return 1.0 if raw in piece else len(piece) / len(raw) if piece in raw else 0.0
+
+    shares = [share(piece, span) for piece, span in pieces]
+    return [1 if x >= PAYLOAD_SHARE else 0 if x == 0 else None for x in shares]
 
 
 def train_document_stage(
@@ -383,9 +378,9 @@ def train_document_stage(
                 pieces.append(embedding_chunks(text)[0])
                 labels.append(1)
             continue
-        chunks = [piece for piece, _ in training_pieces(text)]
-        marks = window_labels(text, payloads) if label else [0] * len(chunks)
-        for piece, mark in zip(chunks, marks):
+        spanned = training_pieces(text)
+        marks = window_labels(text, payloads, spanned) if label else [0] * len(spanned)
+        for (piece, _), mark in zip(spanned, marks):
             if mark is None or (label and mark == 0 and any(piece in t for t in held_benign)):
                 continue
             pieces.append(piece)

@@ -132,28 +132,31 @@ def document_pieces(text: str, chunks: Callable[[str], list[str]]) -> list[tuple
     documents written apart from training (``disjoint/eval5.tsv``; 31% of its fact sheets) were
     flagged; by their windows, with the document stage retrained so, 42% (8%), and the disjoint
     evals' planted documents were ranked better (README, Guardrails, "Windows alone")."""
-    pieces: list[tuple[str, tuple[int, int] | None]] = []
     windows = sentence_windows(text)
-    if windows:
-        spans = sentence_spans(text)
-        for window, (start, end) in zip(windows, sentence_window_spans(text)):
-            parts = chunks(window)
-            if len(parts) == 1:
-                pieces.append((window, (start, end)))
-                continue
-            # The window joins its sentences with one space each, whatever separates them in
-            # the text (blank lines, indentation, nothing after "。"): map its offsets back.
-            inside = [(a, b) for a, b in spans if start <= a and b <= end]
-            cursor = 0
-            for piece in parts:
-                cursor = window.index(piece, cursor)
-                pieces.append((piece, (_text_offset(inside, cursor), _text_offset(inside, cursor + len(piece)))))
-    else:
-        cursor = 0
-        for piece in chunks(text):
-            cursor = text.index(piece, cursor)
-            pieces.append((piece, (cursor, cursor + len(piece))))
+    pieces = [] if windows else chunk_spans(text, chunks)
+    spans: list[tuple[int, int]] = []  # the text's sentences, found once a window needs them
+    for window, (start, end) in zip(windows, sentence_window_spans(text)):
+        parts = chunks(window)
+        if len(parts) == 1:
+            pieces.append((window, (start, end)))
+            continue
+        # The window joins its sentences with one space each, whatever separates them in the
+        # text (blank lines, indentation, nothing after "。"): map its offsets back.
+        spans = spans or sentence_spans(text)
+        inside = [(a, b) for a, b in spans if start <= a and b <= end]
+        for piece, (a, b) in chunk_spans(window, chunks):
+            pieces.append((piece, (_text_offset(inside, a), _text_offset(inside, b))))
     return pieces + [(piece, None) for value in json_strings(text) for piece in chunks(value)]
+
+
+def chunk_spans(text: str, chunks: Callable[[str], list[str]]) -> list[tuple[str, tuple[int, int] | None]]:
+    """``chunks(text)``, each with where it lies in ``text``."""
+    out: list[tuple[str, tuple[int, int] | None]] = []
+    cursor = 0
+    for piece in chunks(text):
+        cursor = text.index(piece, cursor)
+        out.append((piece, (cursor, cursor + len(piece))))
+    return out
 
 
 def _text_offset(sentences: list[tuple[int, int]], offset: int) -> int:
