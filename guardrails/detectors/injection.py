@@ -439,10 +439,17 @@ class InjectionDetector:
         if not (verdict.blocked and document and redact and self.redacts_documents):
             return verdict
         hold = getattr(self.scorer, "holding", None)
-        neighbour = (documents.NEIGHBOUR_THRESHOLD, documents.NEIGHBOUR_TURN_THRESHOLD)
         try:
             with hold(documents.redaction_pieces(text)) if hold else contextlib.nullcontext():
-                rest = documents.redact_flagged(text, self._flags, lambda piece: self._flags(piece, *neighbour))
+                # A piece, and what is left, get the check the document got: as a document.
+                # Not also as the chat turn a piece could be on its own: a page's sentences
+                # read as turns, and what was left of it read as one turn, looked like
+                # jailbreaks. Of eval5's 136 hard benign pages flagged by mistake, 91 were
+                # dropped so, and those redacted kept a median 0.32 of their text (now 15 and
+                # 0.68), while no more payload was left behind (README, "redacted, not dropped").
+                rest = documents.redact_flagged(
+                    text, lambda piece: self._check(piece, None, document=True).blocked, self._continues
+                )
         except Exception as exc:  # the document was judged: a failure to save it keeps the block
             logger.warning("redacting a flagged document failed: %s", type(exc).__name__)
             rest = None
@@ -452,12 +459,13 @@ class InjectionDetector:
             self.rail, rest, f"{verdict.reason}: flagged pieces removed", code=PolicyCode.PROMPT_INJECTION
         )
 
-    def _flags(self, piece: str, document: float | None = None, turn: float | None = None) -> bool:
-        """Whether a document's piece is flagged as a document or as the chat turn it could be
-        on its own, at these thresholds (None: the calibrated ones)."""
+    def _continues(self, piece: str) -> bool:
+        """Whether a neighbour of a removed piece looks like the instruction's continuation: a
+        lower bar, as a document or as the chat turn it could be on its own
+        (``documents.NEIGHBOUR_THRESHOLD``, ``NEIGHBOUR_TURN_THRESHOLD``)."""
         return (
-            self._check(piece, None, document=True, threshold=document).blocked
-            or self._check(piece, None, document=False, threshold=turn).blocked
+            self._check(piece, None, document=True, threshold=documents.NEIGHBOUR_THRESHOLD).blocked
+            or self._check(piece, None, document=False, threshold=documents.NEIGHBOUR_TURN_THRESHOLD).blocked
         )
 
     def _check(
