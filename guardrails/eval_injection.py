@@ -23,9 +23,9 @@ from guardrails.detectors.injection import (
     InjectionClassifier,
     InjectionDetector,
     embedding_chunks,
-    heuristic_hits,
 )
 from guardrails.detectors.injection_ensemble import InjectionEnsemble, load_scorer
+from guardrails.detectors.injection_heuristics import heuristic_hits
 from guardrails.train_injection import DATA_DIR, embed_chunked, load_rows
 from retrieval.encoder import Backend, SentenceEncoder
 
