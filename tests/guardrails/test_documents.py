@@ -273,8 +273,9 @@ def test_hard_benign_pages_flagged_by_mistake_are_redacted_not_dropped(scorer):
 
 
 def test_a_documents_pieces_are_encoded_in_one_call(scorer):
-    """Redaction scores each sentence and pair twice (as a document, as a chat turn): the USE
-    encoder runs once for all of them, not once a check (``UseEncoder.holding``)."""
+    """Redaction scores each sentence and pair (as a document; a removed one's neighbours as a
+    chat turn too): the USE encoder runs once for all of them, not once a check
+    (``UseEncoder.holding``)."""
     model = scorer.use_encoder()._model
 
     class _Counting:
