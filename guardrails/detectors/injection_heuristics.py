@@ -8,8 +8,7 @@ from __future__ import annotations
 from guardrails.detectors import linear_regex as lrx
 from guardrails.detectors.text_fold import fold
 
-# High-precision phrases only: the classifier handles paraphrases, these catch the canonical attacks
-# even when the classifier is unsure. Each was checked against the benign evaluation prompts.
+# Each was checked against the benign evaluation prompts.
 #
 # RE2 (linear time) spelling of the former `re` patterns, with the same yes/no answer on every text
 # (only `search` is used, never a span, so boundaries may consume the character they inspect).
