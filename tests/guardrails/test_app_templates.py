@@ -39,11 +39,6 @@ def guard(scorer) -> InputGuard:
     return InputGuard(policy, injection_scorer=scorer)
 
 
-@pytest.fixture(scope="module")
-def plain(scorer) -> InputGuard:
-    return InputGuard(load_policy({"injection": {"app_templates": []}}), injection_scorer=scorer)
-
-
 def test_open_webui_ships_its_template_versions_and_is_on_by_default():
     assert {"open_webui_rag", "open_webui_autocomplete"} <= set(builtin_names()) and len(VERSIONS) == 3
     assert [t.name for t in GuardrailPolicy().injection.app_templates] == ["open_webui_rag", "open_webui_autocomplete"]
@@ -148,11 +143,6 @@ def test_a_benign_rag_message_passes(guard, version):
     text = compose(VERSIONS[version], [FACT], "How long does it take to boil?")
     verdict = guard.check_text(text)
     assert not verdict.blocked and not verdict.redacted, verdict.reason
-
-
-def test_without_the_template_the_rules_read_as_a_jailbreak(plain):
-    text = compose(VERSIONS["v3_detailed"], [FACT], "How long does it take to boil?")
-    assert plain.check_text(text).blocked
 
 
 def test_chat_ui_fixtures_pass_as_user_messages(guard):
