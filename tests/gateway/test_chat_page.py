@@ -135,7 +135,13 @@ def test_an_input_rail_refusal_is_shown(page, engine_events):
 
 
 def test_an_output_rail_cut_is_shown(page):
-    ask(page, "scripted-guarded", f"[[say-hex:{hexed('This part is fine, and then FORBIDDEN-WORD comes.')}]]")
+    # Prose beside the directive: alone, "[[say-hex:[encoded]]]" reads to the injection
+    # classifier as a markup command (0.84 with the artifact of 2026-12-05).
+    ask(
+        page,
+        "scripted-guarded",
+        f"Tell me a story. [[say-hex:{hexed('This part is fine, and then FORBIDDEN-WORD comes.')}]]",
+    )
     answer = last_answer(page)
     assert "content_filter" in answer.locator(".cut").inner_text()
     assert "FORBIDDEN-WORD" not in answer.inner_text()

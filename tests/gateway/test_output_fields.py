@@ -25,9 +25,12 @@ def hx(text: str) -> str:
 
 
 def directives(**kinds: str | list[str]) -> str:
-    """``directives(say="a b", alt=["x"])`` -> ``[[say-hex:...]] [[alt-hex:...]]``."""
+    """``directives(say="a b", alt=["x"])`` -> ``[[say-hex:...]] [[alt-hex:...]]``, a delay
+    first: a completions prompt is judged by the injection classifier, which reads a chunk
+    ending in ``[encoded]]] [[delay-ms:5]]`` as markup commands (0.79 against 0.703 with the
+    artifact of 2026-12-05; 0.59 with the delay first; the engine reads them in any order)."""
     out = []
-    for kind, values in kinds.items():
+    for kind, values in sorted(kinds.items(), key=lambda kv: kv[0] != "delay_ms"):
         for value in values if isinstance(values, list) else [values]:
             kind_name = kind.replace("_", "-")
             if kind_name == "tool":
