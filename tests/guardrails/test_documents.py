@@ -263,9 +263,9 @@ def test_hard_benign_pages_flagged_by_mistake_are_redacted_not_dropped(scorer):
     rail as deployed. Those flagged by mistake lose the sentences that set it off and keep most
     of their text; few are dropped whole. Measured: 109 redacted keeping a median 0.68 of their
     characters, 12 dropped (121 and 15 with the artifact before the `eu/` retraining, which
-    flagged 42.5% of them against 37.8%). When a piece, and what was left, were also read as the chat turn
-    they could be (a page read as one turn looks like a jailbreak for its length): 45
-    redacted keeping 0.32, 91 dropped."""
+    flagged 42.5% of them against 37.8%). When a piece, and what was left, were also read as
+    the chat turn they could be (a page read as one turn looks like a jailbreak for its length):
+    45 redacted keeping 0.32, 91 dropped."""
     from guardrails.eval_injection import DISJOINT_EVAL, load_disjoint
 
     rows = load_disjoint(DISJOINT_EVAL.parent / "eval5.tsv")

@@ -311,8 +311,8 @@ def test_document_threshold_is_validated():
 DISJOINT = {
     # file: (per-language recall, per-language FPR, recall, FPR, document recall, document FPR)
     "eval.tsv": (0.9, 0.14, 0.97, 0.023, 0.77, 0.04),
-    # eval2's and eval3's chat turns: recall meets the issue's target (>= 0.9), FPR misses its
-    # 5% by one turn (14 of 272) since the retraining with tool results, which took ordinary
+    # Before `eu/`: eval2's and eval3's chat turns met the issue's recall target (>= 0.9) and
+    # missed its 5% FPR by one turn (14 of 272) after the retraining with tool results, which took ordinary
     # tool results from 10 of 58 refused to none (test_tool_results.py; README, "JSON tool
     # results"); the artifact before it had 4.0% and 4.4%, and documents 0.86 / 7.8% and 0.91 / 11.8%.
     # Documents 0.843 / 9.8% -> 0.902 / 9.8% when scored by their windows alone (2026-12-05).

@@ -52,7 +52,8 @@ def test_ordinary_tool_results_pass(guard):
     assert len(ours) == 87 and not _flagged(guard, ours)
     # The independent set's three flagged when measured are of the hard kind: a forum thread
     # about prompt injection quoting one, a shell script read from a repository, a web search on
-    # Kubernetes liveness probes (5% allows 2 of 48; loosened from 2 with the `eu/` retraining, stated in issue 14's note).
+    # Kubernetes liveness probes. Two before the `eu/` retraining (2026-12-05), when this floor
+    # was 2 (5% of 48); loosened to 3, stated in issue 14's note.
     independent = [item["text"] for item in INDEPENDENT["benign"]]
     assert len(independent) == 48 and len(_flagged(guard, independent)) <= 3
 
