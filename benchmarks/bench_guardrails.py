@@ -5,6 +5,10 @@ scripted engine, so engine time is constant and the difference is the rails':
 
 - input rails: non-streaming chats (benign prompts from the held-out eval set, one token
   out) to a model with rails on and one with rails off, alternating, sequentially;
+- documents: the same chat with a benign tool result of the held-out split (a retrieved page,
+  a product sheet, a JSON result), rails off, rails on with the shipped document stages (USE,
+  then e5 on the windows it is unsure of) and rails on with the USE stage alone (the artifact
+  without its e5 stage, through ``injection.classifier_path``);
 - output rails: 200-token streams; time per chunk from the first to the last chunk;
 - in-process: the pieces without any Serve hop (one prompt's embedding with torch and with
   the int8 ONNX export the guardrails use; InputGuard on one text with its embedding
@@ -81,8 +85,20 @@ def start_gateway(workdir: Path) -> str:
 
     (workdir / "rails-off.yaml").write_text("model_id: rails-off\n" + MODEL_BASE)
     (workdir / "rails-on.yaml").write_text("model_id: rails-on\n" + MODEL_BASE + GUARDED)
+    # The shipped artifact without its documents' e5 stage: documents by the USE stage alone.
+    from guardrails.detectors.injection_ensemble import load_scorer
+
+    use_only = load_scorer(ROOT / ".models/injection_classifier.npz")
+    use_only.doc_e5_weights = None
+    use_only.metadata = {**use_only.metadata, "document_threshold": use_only.metadata["document_use_threshold"]}
+    use_only.save(workdir / "use-documents.npz")
+    (workdir / "rails-on-use-docs.yaml").write_text(
+        "model_id: rails-on-use-docs\n"
+        + MODEL_BASE
+        + f"guardrails: {{enabled: true, injection: {{classifier_path: {workdir / 'use-documents.npz'}}}}}\n"
+    )
     (workdir / "gateway.yaml").write_text(
-        f"models: [rails-off.yaml, rails-on.yaml]\nmodels_dir: {ROOT / '.models'}\n"
+        f"models: [rails-off.yaml, rails-on.yaml, rails-on-use-docs.yaml]\nmodels_dir: {ROOT / '.models'}\n"
         f"retrieval: {{enabled: false}}\ningress: {{num_cpus: 0.1}}\n"
         f"guardrails: {{num_cpus: 0.1, embedding: {RAIL_EMBEDDING}}}\n"
         f"embedding: {{model: {{batch_wait_timeout_s: {BATCH_WAIT_S}}}}}\n"
@@ -113,6 +129,38 @@ def input_latency(http: httpx.Client, model: str, prompts: list[str]) -> list[fl
         out.append((time.perf_counter() - t) * 1000)
         if r.status_code == 400:
             BLOCKED[model] = BLOCKED.get(model, 0) + 1
+        else:
+            assert r.status_code == 200, r.text
+    return out
+
+
+def benign_documents() -> list[str]:
+    """The held-out split's benign documents (pages, product sheets, tool results), in a seeded
+    random order. The document threshold was calibrated on them at 5% FPR, so about 1 in 20 is
+    refused (tallied as blocked: the rails ran)."""
+    from guardrails.train_injection import load_rows
+
+    data = load_rows(ROOT / "guardrails/data/injection_eval.jsonl")
+    texts = [t for t, y, s in zip(data.texts, data.labels, data.slots) if y == 0 and s == "document"]
+    random.Random(0).shuffle(texts)
+    return texts
+
+
+def document_latency(http: httpx.Client, model: str, documents: list[str]) -> list[float]:
+    """Latency per chat whose history holds ``documents[i]`` as a tool result."""
+    out = []
+    call = {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+    for doc in documents:
+        messages = [
+            {"role": "user", "content": "Look it up, please."},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": doc},
+        ]
+        t = time.perf_counter()
+        r = http.post("/v1/chat/completions", json={"model": model, "max_tokens": 1, "messages": messages})
+        out.append((time.perf_counter() - t) * 1000)
+        if r.status_code == 400:
+            BLOCKED[model + "/documents"] = BLOCKED.get(model + "/documents", 0) + 1
         else:
             assert r.status_code == 200, r.text
     return out
@@ -183,6 +231,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=150, help="chat requests per model per round")
     parser.add_argument("--streams", type=int, default=10, help="200-token streams per model per round")
+    parser.add_argument("--documents", type=int, default=60, help="chats with a tool result per model per round")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--batch-wait-s", type=float, default=0.005, help="embedding deployment's batch_wait_timeout_s")
     parser.add_argument(
@@ -195,20 +244,26 @@ def main() -> int:
     global BATCH_WAIT_S, RAIL_EMBEDDING
     BATCH_WAIT_S, RAIL_EMBEDDING = args.batch_wait_s, args.rail_embedding
 
-    prompts = benign_prompts()
+    prompts, documents = benign_prompts(), benign_documents()
     with tempfile.TemporaryDirectory() as tmp:
         url = start_gateway(Path(tmp))
         lat = {"rails-off": [], "rails-on": []}
         chunk = {"rails-off": [], "rails-on": []}
+        docs: dict[str, list[float]] = {"rails-off": [], "rails-on": [], "rails-on-use-docs": []}
         with httpx.Client(base_url=url, timeout=60) as http:
             input_latency(http, "rails-on", prompts[:20])  # warm-up: classifier, batches, routes
             input_latency(http, "rails-off", prompts[:20])
+            document_latency(http, "rails-on-use-docs", documents[-5:])
             for r in range(args.rounds):
                 order = ["rails-off", "rails-on"] if r % 2 == 0 else ["rails-on", "rails-off"]
                 for model in order:
                     sample = [prompts[i % len(prompts)] for i in range(args.requests)]
                     lat[model] += input_latency(http, model, sample)
                     chunk[model] += per_chunk_ms(http, model, args.streams)
+                # Each round its own documents (the verdict cache would answer a repeat).
+                sample = documents[r * args.documents : (r + 1) * args.documents]
+                for model in list(docs) if r % 2 == 0 else list(docs)[::-1]:
+                    docs[model] += document_latency(http, model, sample)
         local = in_process(prompts)
 
     off, on = lat["rails-off"], lat["rails-on"]
@@ -222,6 +277,19 @@ def main() -> int:
     added = [pct(on, q) - pct(off, q) for q in (50, 90, 99)]
     print(f"{'added':>12} {added[0]:8.2f} {added[1]:8.2f} {added[2]:8.2f}   (target: p50 under 15 ms)")
     print(f"benign prompts blocked by the rails: {BLOCKED.get('rails-on', 0)} of {len(on)}")
+    print(
+        f"\nchats with a benign tool result ({len(docs['rails-off'])} each, median {int(np.median([len(d) for d in documents]))}"
+        " characters; the held-out split's benign documents)"
+    )
+    print(f"{'':>30} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'blocked':>8}")
+    for name, label in (
+        ("rails-off", "rails off"),
+        ("rails-on-use-docs", "rails on, USE stage alone"),
+        ("rails-on", "rails on, USE + e5 (shipped)"),
+    ):
+        v = docs[name]
+        blocked = BLOCKED.get(name + "/documents", 0)
+        print(f"{label:>30} {pct(v, 50):8.2f} {pct(v, 90):8.2f} {pct(v, 99):8.2f} {blocked:>8}")
     c_off, c_on = statistics.median(chunk["rails-off"]), statistics.median(chunk["rails-on"])
     print(
         f"\noutput rails on 200-token streams: {c_off:.3f} ms/chunk off, {c_on:.3f} ms/chunk on, "

@@ -239,7 +239,7 @@ def _parts(first: str, later: str, experiments: tuple[str, ...] = ()) -> dict[st
 
 def planted_payloads() -> list[str]:
     """Every instruction ``_composed`` plants in documents, longest first (training finds which
-    sentence windows of a planted document hold it: train_injection.window_labels). Every
+    sentence windows of a planted document hold it: train_documents.window_labels). Every
     experiment's too, so a split built with one trains right without saying so again."""
     every = tuple(p.name for p in _sets(EXPERIMENTS))
     return sorted(

@@ -246,9 +246,13 @@ class Guardrails:
         scorer.prime_char(chunks)
         scorer.store_primed(chunks, np.stack(await vectors))
         guard.metrics.record_latency("injection_encoder", time.perf_counter() - started)
-        # The second stage's e5 pass, for the chat turns' chunks the first stage did not score
-        # as clearly benign: 20-400 ms of CPU a chunk, so in its thread too, never on the loop.
-        hot = scorer.cascade_chunks([s.text for s in scored if s.turn])
+        # The e5 pass, for the chat turns' chunks the first stage did not score as clearly
+        # benign and the documents' windows their USE stage did not: 20-400 ms of CPU a chunk,
+        # ~14 ms a window, so in its thread too, never on the loop.
+        docs = [s for s in scored if not s.turn]
+        hot = scorer.cascade_chunks([s.text for s in scored if s.turn]) + scorer.cascade_chunks(
+            [s.text for s in docs], [s.windows for s in docs], document=True
+        )
         if not hot:
             return
         started = time.perf_counter()
@@ -260,7 +264,7 @@ class Guardrails:
             vectors = await asyncio.wait_for(self._gate(scorer, "e5").enqueue(hot), min(left, 3600.0))
         except TimeoutError:
             guard.metrics.record_error("injection_second_stage")
-            logger.warning("injection second stage skipped: out of time (%d chunks keep first-stage scores)", len(hot))
+            logger.warning("injection e5 stages skipped: out of time (%d chunks keep earlier stages' scores)", len(hot))
             return
         scorer.store_primed_e5(hot, np.stack(vectors))
         guard.metrics.record_latency("injection_second_stage", time.perf_counter() - started)

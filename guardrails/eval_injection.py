@@ -341,7 +341,8 @@ def main() -> None:
     )
     print(disjoint_report(rows, scores, deployed))
     if isinstance(scorer, InjectionEnsemble):
-        scorer.primed_only = True  # as the guardrails deployment runs it: no e5 pass for the pieces
+        # Scoring encodes e5 where the guardrails deployment primes it (``cascade_chunks``) or
+        # lets redaction encode it (``InjectionEnsemble.holding``).
         detector = InjectionDetector(
             scorer,
             threshold,

@@ -12,7 +12,6 @@ fits on all training rows.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import math
@@ -22,8 +21,8 @@ from typing import get_args
 
 import numpy as np
 
-from guardrails.build_injection_data import DOCUMENT_SOURCES, planted_payloads
-from guardrails.detectors.documents import chunk_spans, document_pieces, sentence_windows
+from guardrails.build_injection_data import DOCUMENT_SOURCES
+from guardrails.detectors.char_ngrams import char_vectorizer
 from guardrails.detectors.encoders import E5Encoder, UseEncoder
 from guardrails.detectors.injection import (
     DEFAULT_ARTIFACT,
@@ -36,13 +35,10 @@ from guardrails.detectors.injection_ensemble import (
     CASCADE_FLOOR,
     COMPONENTS,
     InjectionEnsemble,
-    _logit,
-    _sigmoid,
-    char_vectorizer,
     load_scorer,
 )
+from guardrails.detectors.networks import logit, sigmoid
 from guardrails.detectors.text_fold import fold
-from guardrails.planting import written_forms
 from retrieval.encoder import Backend, SentenceEncoder
 
 logger = logging.getLogger(__name__)
@@ -61,11 +57,6 @@ USE_SEEDS = 5
 RECALL_TOLERANCE = 0.03  # cross-validated recall within this of the best counts as a tie
 # MiniLM (English-only) added nothing in cross-validation once USE had its network.
 DEFAULT_COMPONENTS = ("use", "char")
-# The documents' second stage (``train_document_stage``): its network's L2 penalty (0.01 and
-# 0.1 compared on the held-out split), and the share of a planted instruction's characters a window
-# must cover to be an attack (a window with none of it is benign; one between is left out).
-DOCUMENT_STAGE_ALPHA = 0.01
-PAYLOAD_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -171,7 +162,7 @@ class BaggedNetwork:
 
     def predict_proba(self, x) -> np.ndarray:
         hidden = np.maximum(x @ self.coefs_[0] + self.intercepts_[0], 0.0)
-        p = _sigmoid((hidden @ self.coefs_[1] + self.intercepts_[1]).ravel())
+        p = sigmoid((hidden @ self.coefs_[1] + self.intercepts_[1]).ravel())
         return np.stack([1 - p, p], axis=1)
 
 
@@ -232,7 +223,7 @@ def train(
         fitted[name] = _fit(name, x, data.labels, c)
         oof_columns.append(oof)
         figures[f"{name}_c"], figures[f"{name}_cv_recall"] = c, round(recall, 4)
-    z = _logit(np.stack(oof_columns, axis=1))
+    z = logit(np.stack(oof_columns, axis=1))
     stacked = np.zeros(len(z))
     for train_idx, test_idx in folds:
         stacked[test_idx] = _fit_lr(z[train_idx], data.labels[train_idx], 1.0).predict_proba(z[test_idx])[:, 1]
@@ -300,7 +291,7 @@ def train_second_stage(data: LabelledSet, folds, xs: dict, char_oof: np.ndarray,
     x = np.concatenate([xs["use"], E5Encoder(threads=2).encode(first)], axis=1)
     alpha = C_GRID["use"][0]
     oof = out_of_fold("use", x, data, folds, alpha)
-    z = _logit(np.stack([oof, char_oof], axis=1))
+    z = logit(np.stack([oof, char_oof], axis=1))
     turn_stacked = np.zeros(len(z))
     for train_idx, test_idx in folds:
         turn_stacked[test_idx] = _fit_lr(z[train_idx], data.labels[train_idx], 1.0).predict_proba(z[test_idx])[:, 1]
@@ -315,112 +306,6 @@ def train_second_stage(data: LabelledSet, folds, xs: dict, char_oof: np.ndarray,
         "turn_stack_bias": float(stacker.intercept_[0]),
     }
     return fields, np.where(stacked >= CASCADE_FLOOR, turn_stacked, stacked)
-
-
-def training_pieces(text: str) -> list[tuple[str, tuple[int, int] | None]]:
-    """The pieces the documents' second stage learns from, with their spans: those scoring
-    reads (``document_pieces``) and, in a document scored by its windows, the whole text's
-    chunks before them. Scoring never reads those chunks, but as examples they help: trained
-    without them, the stage ranked eval2's planted documents worse (recall at 5% FPR 0.765
-    against 0.824) and flagged more of eval5's hard benign documents (45% against 40%)."""
-    pieces = document_pieces(text, embedding_chunks)
-    if not sentence_windows(text):
-        return pieces  # its chunks are what scoring reads
-    return chunk_spans(text, embedding_chunks) + pieces
-
-
-def window_labels(
-    text: str, payloads: list[str], pieces: list[tuple[str, tuple[int, int] | None]] | None = None
-) -> list[int | None]:
-    """Each of a planted document's ``pieces`` (default: its ``training_pieces``): 1 when it
-    covers at least ``PAYLOAD_SHARE`` of the planted instruction's characters, 0 when none,
-    None between or when the instruction is not found (as written, or escaped in a JSON tool
-    result, non-ASCII text too or not)."""
-    pieces = training_pieces(text) if pieces is None else pieces
-    raw = next((p for p in payloads if any(f in text for f in written_forms(p))), None)
-    if raw is None:
-        return [None] * len(pieces)
-    found = next(f for f in written_forms(raw) if f in text)
-    start = text.index(found)
-    end = start + len(found)
-
-    def share(piece: str, span: tuple[int, int] | None) -> float:
-        if span is not None:
-            return max(0, min(span[1], end) - max(span[0], start)) / len(found)
-        # A string value is the instruction's or not (its span in the JSON text is escaped).
-        return 1.0 if raw in piece else len(piece) / len(raw) if piece in raw else 0.0
-
-    shares = [share(piece, span) for piece, span in pieces]
-    return [1 if x >= PAYLOAD_SHARE else 0 if x == 0 else None for x in shares]
-
-
-def train_document_stage(
-    ensemble: InjectionEnsemble, data: LabelledSet, heldout: LabelledSet, target_fpr: float
-) -> InjectionEnsemble:
-    """``ensemble`` with a second stage for documents, and its document threshold calibrated on
-    the held-out split's documents at ``target_fpr``.
-
-    The network reads the USE vector of every piece of the training split's documents
-    (``training_pieces``): a benign document's pieces are benign; a planted one's are
-    attacks where they hold the instruction and benign where they hold none of it (these, the
-    same document's other sentences, teach it most). A benign piece of a planted document
-    that appears in one of the held-out split's benign documents (the build plants into
-    documents of either split) is left out, so the calibration reads documents it never saw.
-    The chat attacks (their first chunk, as the first stage reads them) are attacks too: a
-    jailbreak pasted into a document is one, and without them the network learnt only planted
-    instructions and talked the stacker out of 4 in 10 chat attacks scored as documents."""
-    payloads = planted_payloads()
-    held_benign = [t for t, y, s in zip(heldout.texts, heldout.labels, heldout.slots) if s == "document" and y == 0]
-    pieces, labels = [], []
-    for text, label, slot in zip(data.texts, data.labels, data.slots):
-        if slot != "document":
-            if label:
-                pieces.append(embedding_chunks(text)[0])
-                labels.append(1)
-            continue
-        spanned = training_pieces(text)
-        marks = window_labels(text, payloads, spanned) if label else [0] * len(spanned)
-        for (piece, _), mark in zip(spanned, marks):
-            if mark is None or (label and mark == 0 and any(piece in t for t in held_benign)):
-                continue
-            pieces.append(piece)
-            labels.append(mark)
-    y = np.array(labels)
-    x = ensemble.use_encoder().encode([fold(p) for p in pieces])
-    network = _fit("use", x, y, DOCUMENT_STAGE_ALPHA)
-    staged = dataclasses.replace(
-        ensemble,
-        doc_hidden_weights=network.coefs_[0].astype(np.float32),
-        doc_hidden_bias=network.intercepts_[0].astype(np.float32),
-        doc_weights=network.coefs_[1][:, 0].astype(np.float32),
-        doc_bias=float(network.intercepts_[1][0]),
-    )
-    docs = [i for i, s in enumerate(heldout.slots) if s == "document"]
-    scores = np.array([staged.score_document(heldout.texts[i], None, windows=True) for i in docs])
-    held_labels = heldout.labels[docs]
-    recall, threshold = _recall_at(scores, held_labels, held_labels == 0, target_fpr)
-    logger.info(
-        "document stage: %d pieces (%d attacks, chat attacks included); held-out recall %.3f at %.3f (%.0f%% FPR)",
-        len(y),
-        int(y.sum()),
-        recall,
-        threshold,
-        100 * target_fpr,
-    )
-    staged.metadata = {
-        **ensemble.metadata,
-        "document_threshold": _stored(threshold),
-        "document_target_fpr": target_fpr,
-        "document_stage": {
-            "pieces": len(y),
-            "attack_pieces": int(y.sum()),
-            "alpha": DOCUMENT_STAGE_ALPHA,
-            "calibrated_on": "held-out split documents",
-            "heldout_documents": len(docs),
-            "heldout_recall": round(recall, 4),
-        },
-    }
-    return staged
 
 
 def main() -> None:
@@ -459,9 +344,12 @@ def main() -> None:
     )
     parser.add_argument("--no-document-stage", action="store_true", help="no second stage for documents")
     parser.add_argument(
+        "--no-document-e5", action="store_true", help="documents' USE stage alone (no e5 stage after it)"
+    )
+    parser.add_argument(
         "--document-stage-only",
         action="store_true",
-        help="train only the documents' second stage, onto the ensemble already at --out (about a minute)",
+        help="train only the documents' stages, onto the ensemble already at --out (about 12 minutes)",
     )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -483,7 +371,12 @@ def main() -> None:
             second_stage=not args.no_second_stage,
         )
     if not args.no_document_stage:
-        ensemble = train_document_stage(ensemble, data, load_rows(args.heldout), args.document_target_fpr)
+        # Here, not at the top: train_documents builds on this module's fitting helpers.
+        from guardrails.train_documents import train_document_stage
+
+        ensemble = train_document_stage(
+            ensemble, data, load_rows(args.heldout), args.document_target_fpr, e5=not args.no_document_e5
+        )
     ensemble.save(args.out)
     logger.info(
         "wrote %s (%s; threshold %.3f, documents %.3f)",

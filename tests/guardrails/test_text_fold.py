@@ -41,7 +41,7 @@ def test_hidden_attacks_fold_to_what_they_say_and_the_heuristics_see_them(hidden
 )
 def test_turkish_i_folds_for_the_character_model(hidden):
     """RE2's case folding already equates them with i; the character n-grams do not."""
-    from guardrails.detectors.injection_ensemble import char_vectorizer
+    from guardrails.detectors.char_ngrams import char_vectorizer
 
     vectorize = char_vectorizer().transform
     assert (vectorize([hidden]) != vectorize([ATTACK])).nnz > 0
