@@ -89,7 +89,7 @@ def start_gateway(workdir: Path) -> str:
     from guardrails.detectors.injection_ensemble import load_scorer
 
     use_only = load_scorer(ROOT / ".models/injection_classifier.npz")
-    use_only.doc_e5_weights = None
+    use_only.doc_e5_hidden_weights = use_only.doc_e5_hidden_bias = use_only.doc_e5_weights = None
     use_only.metadata = {**use_only.metadata, "document_threshold": use_only.metadata["document_use_threshold"]}
     use_only.save(workdir / "use-documents.npz")
     (workdir / "rails-on-use-docs.yaml").write_text(
