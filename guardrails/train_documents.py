@@ -104,6 +104,17 @@ def document_training_pieces(data: LabelledSet, heldout: LabelledSet) -> tuple[l
     return pieces, np.array(labels)
 
 
+def _network_fields(prefix: str, network) -> dict:
+    """A fitted network as the ensemble's ``{prefix}_hidden_weights``, ``_hidden_bias``,
+    ``_weights`` and ``_bias``."""
+    return {
+        f"{prefix}_hidden_weights": network.coefs_[0].astype(np.float32),
+        f"{prefix}_hidden_bias": network.intercepts_[0].astype(np.float32),
+        f"{prefix}_weights": network.coefs_[1][:, 0].astype(np.float32),
+        f"{prefix}_bias": float(network.intercepts_[1][0]),
+    }
+
+
 def train_document_stage(
     ensemble: InjectionEnsemble, data: LabelledSet, heldout: LabelledSet, target_fpr: float, *, e5: bool = True
 ) -> InjectionEnsemble:
@@ -121,10 +132,7 @@ def train_document_stage(
     network = _fit("use", x, y, DOCUMENT_STAGE_ALPHA)
     staged = dataclasses.replace(
         ensemble,
-        doc_hidden_weights=network.coefs_[0].astype(np.float32),
-        doc_hidden_bias=network.intercepts_[0].astype(np.float32),
-        doc_weights=network.coefs_[1][:, 0].astype(np.float32),
-        doc_bias=float(network.intercepts_[1][0]),
+        **_network_fields("doc", network),
         doc_e5_hidden_weights=None,
         doc_e5_hidden_bias=None,
         doc_e5_weights=None,
@@ -147,13 +155,7 @@ def train_document_stage(
         encoder = E5Encoder(threads=2)
         x5 = np.concatenate([x, encoder.encode(folded)], axis=1)
         network = _fit("use", x5, y, DOCUMENT_E5_ALPHA)
-        staged = dataclasses.replace(
-            staged,
-            doc_e5_hidden_weights=network.coefs_[0].astype(np.float32),
-            doc_e5_hidden_bias=network.intercepts_[0].astype(np.float32),
-            doc_e5_weights=network.coefs_[1][:, 0].astype(np.float32),
-            doc_e5_bias=float(network.intercepts_[1][0]),
-        )
+        staged = dataclasses.replace(staged, **_network_fields("doc_e5", network))
         staged._e5 = encoder
         staged.metadata |= {"document_use_threshold": use_threshold, "document_e5_floor": DOCUMENT_E5_FLOOR}
         threshold = use_threshold
