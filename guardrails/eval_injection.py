@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -310,7 +311,7 @@ def main() -> None:
         texts = [r.text for r in load_disjoint(args.disjoint) if r.slot == "user"]
         print(latency(args.artifact, args.model_dir, texts))
         return
-    scorer = load_scorer(args.artifact)
+    scorer = load_scorer(args.artifact, e5_threads=os.cpu_count() or 1)  # offline: every core
     threshold = args.threshold if args.threshold is not None else scorer.calibrated_threshold
     doc_threshold = getattr(scorer, "calibrated_document_threshold", threshold)
     encoder = SentenceEncoder(args.model_dir, backend=args.backend)

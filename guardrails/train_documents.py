@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 
 import numpy as np
 
-from guardrails.build_injection_data import planted_payloads
+from guardrails.build_injection_data import HANDWRITTEN, _groups, _parts, _split_of, _unescape, planted_payloads
 from guardrails.detectors.documents import chunk_spans, document_pieces, sentence_windows
 from guardrails.detectors.encoders import E5Encoder
 from guardrails.detectors.injection import embedding_chunks
 from guardrails.detectors.injection_ensemble import DOCUMENT_E5_FLOOR, InjectionEnsemble
 from guardrails.detectors.text_fold import fold
-from guardrails.planting import written_forms
+from guardrails.planting import TOOL_RESULT_SHARE, plant, tool_result, written_forms
 from guardrails.train_injection import LabelledSet, _fit, _recall_at, _stored
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,11 @@ PAYLOAD_SHARE = 0.5
 # flagged more benign documents on eval2 (11.8% against 7.8%) and the independent tool results
 # (4 of 48 against 2).
 DOCUMENT_E5_ALPHA = 0.1
+# Benign documents only the document stages learn from (``document_stage_rows``): never in a
+# split, so never pasted into a chat turn for the chat stages (which had lost recall to them) nor
+# among the held-out documents the threshold is calibrated on (guardrails/data/README.md).
+DOCUMENT_STAGE_SETS = HANDWRITTEN / "document_stage"
+DOCUMENT_STAGE_SEED = 47
 
 
 def training_pieces(text: str) -> list[tuple[str, tuple[int, int] | None]]:
@@ -102,6 +108,54 @@ def document_training_pieces(data: LabelledSet, heldout: LabelledSet) -> tuple[l
             pieces.append(piece)
             labels.append(mark)
     return pieces, np.array(labels)
+
+
+def document_stage_rows() -> LabelledSet:
+    """The document stages' own training rows (``DOCUMENT_STAGE_SETS``, every ``*.txt`` in the
+    handwritten format): each benign document as written and, for ``TOOL_RESULT_SHARE`` of the
+    prose ones, as a JSON tool result; and each once more with a training-split payload planted
+    in it (``planting.plant``), so that a hard host (an AI-use policy, a page of HTML comments)
+    teaches what is benign in it without hiding an instruction planted there. The same rows
+    every run."""
+    payloads = [
+        p
+        for i, lines in enumerate(_parts("payloads", "payloads.txt").values())
+        if _split_of(i) == "train"
+        for p in lines
+    ]
+    rng = random.Random(DOCUMENT_STAGE_SEED)
+    texts, labels, groups = [], [], []
+    for path in sorted(DOCUMENT_STAGE_SETS.glob("*.txt")):
+        for group, lines in _groups(path).items():
+            for doc in map(_unescape, lines):
+                forms = [doc]
+                if doc.lstrip()[:1] not in ("{", "[") and rng.random() < TOOL_RESULT_SHARE:
+                    forms.append(tool_result(doc, rng))
+                rows = [(f, 0) for f in forms] + [(plant(doc, rng.choice(payloads), rng), 1)]
+                texts += [t for t, _ in rows]
+                labels += [y for _, y in rows]
+                groups += [f"{path.stem}/{group}"] * len(rows)
+    n = len(texts)
+    return LabelledSet(
+        texts,
+        np.array(labels, dtype=np.int64),
+        ["document_stage"] * n,
+        groups,
+        ["document_stage"] * n,
+        ["document"] * n,
+    )
+
+
+def joined(a: LabelledSet, b: LabelledSet) -> LabelledSet:
+    """``a``'s rows, then ``b``'s."""
+    return LabelledSet(
+        **{
+            f.name: np.concatenate([a.labels, b.labels])
+            if f.name == "labels"
+            else getattr(a, f.name) + getattr(b, f.name)
+            for f in dataclasses.fields(LabelledSet)
+        }
+    )
 
 
 def _network_fields(prefix: str, network) -> dict:

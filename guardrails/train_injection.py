@@ -372,10 +372,14 @@ def main() -> None:
         )
     if not args.no_document_stage:
         # Here, not at the top: train_documents builds on this module's fitting helpers.
-        from guardrails.train_documents import train_document_stage
+        from guardrails.train_documents import document_stage_rows, joined, train_document_stage
 
         ensemble = train_document_stage(
-            ensemble, data, load_rows(args.heldout), args.document_target_fpr, e5=not args.no_document_e5
+            ensemble,
+            joined(data, document_stage_rows()),
+            load_rows(args.heldout),
+            args.document_target_fpr,
+            e5=not args.no_document_e5,
         )
     ensemble.save(args.out)
     logger.info(

@@ -141,6 +141,8 @@ class InjectionEnsemble:
         # Set by the guardrails deployment, which primes the e5 vectors it allows
         # (``cascade_chunks``): scoring then never encodes e5 itself.
         self.primed_only = False
+        # e5's intra-op threads (``load_scorer``): offline scoring may use every core.
+        self.e5_threads = 1
         if self.cascades and ("use" not in self.components or "char" not in self.components):
             raise ValueError("the second stage reads the use and char components")
         # Computed ahead by chunk text, used once by scoring: USE vectors (``store_primed``) and
@@ -456,7 +458,7 @@ class InjectionEnsemble:
     def e5_encoder(self) -> E5Encoder:
         with self._encoders_lock:
             if self._e5 is None:
-                self._e5 = E5Encoder()
+                self._e5 = E5Encoder(threads=self.e5_threads)
         return self._e5
 
     def use_encoder(self) -> UseEncoder:
@@ -488,11 +490,13 @@ def _top_hot(first: np.ndarray, floor: float, limit: int = SECOND_STAGE_CHUNKS) 
 _DOC = ("doc_hidden_weights", "doc_weights", "doc_e5_hidden_weights", "doc_e5_weights")
 
 
-def load_scorer(path: str | Path) -> InjectionClassifier | InjectionEnsemble:
-    """The scorer in an artifact written by `make models`: an ensemble, or a plain MiniLM classifier."""
+def load_scorer(path: str | Path, *, e5_threads: int = 1) -> InjectionClassifier | InjectionEnsemble:
+    """The scorer in an artifact written by `make models`: an ensemble, or a plain MiniLM
+    classifier; ``e5_threads``: the ensemble's ``e5_threads`` (offline scoring: the cores)."""
     with np.load(Path(path), allow_pickle=False) as data:
         if "kind" in data.files and str(data["kind"]) == "injection_ensemble":
             scorer = InjectionEnsemble.from_arrays(data)
+            scorer.e5_threads = e5_threads
             logger.info("loaded injection ensemble %s (%s)", path, ", ".join(scorer.components))
             if scorer.runs_model:
                 scorer.use_encoder()

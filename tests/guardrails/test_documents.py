@@ -188,7 +188,7 @@ TOOL_RESULT = {
 @pytest.fixture(scope="module")
 def scorer():
     assert DEFAULT_ARTIFACT.exists(), f"no trained artifact at {DEFAULT_ARTIFACT}; run `make models`"
-    return load_scorer(DEFAULT_ARTIFACT)
+    return load_scorer(DEFAULT_ARTIFACT, e5_threads=2)
 
 
 def test_a_planted_instruction_is_taken_out_of_a_fact_sheet(scorer):
@@ -273,9 +273,11 @@ def test_hard_benign_pages_flagged_by_mistake_are_redacted_not_dropped(scorer):
     verdicts = [guard.check_text(r.text, document=True) for r in rows]
     kept = sorted(len(v.text.replace(REMOVED, "")) / len(r.text) for v, r in zip(verdicts, rows) if v.redacted)
     # 29 dropped with the documents' e5 stage (stop 46: it flags more of these pages, 46% against
-    # 38%, and judges their sentences as it judged them; loosened from 13, stated in issue 14's note).
-    assert sum(v.blocked for v in verdicts) <= 29
-    assert len(kept) >= 100 and kept[len(kept) // 2] >= 0.65
+    # 38%, and judges their sentences as it judged them); 16 dropped and 67 redacted with the
+    # document stages' own documents (stop 47: 26% flagged).
+    dropped = sum(v.blocked for v in verdicts)
+    assert dropped <= 16
+    assert len(kept) >= 4 * dropped and kept[len(kept) // 2] >= 0.65, (len(kept), kept[len(kept) // 2])
 
 
 def test_a_documents_pieces_are_encoded_in_one_call(scorer):

@@ -163,3 +163,28 @@ def test_an_experiment_set_is_read_only_when_asked_for():
     assert all(any(f in r.text for f in forms) for r in planted)
     with pytest.raises(FileNotFoundError):
         list(_composed(("no-such-set",)))
+
+
+def test_the_document_stages_own_rows_are_training_only_and_planted_with_training_payloads():
+    """`handwritten/document_stage/` (``train_documents.document_stage_rows``): documents only
+    the document stages learn from. In neither split (so the held-out documents the threshold
+    is calibrated on stay unseen, and no chat turn carries them), each also planted with a
+    payload of the training split and never with a held-out one; the same rows every run."""
+    from guardrails.build_injection_data import _parts, _split_of
+    from guardrails.planting import written_forms
+    from guardrails.train_documents import document_stage_rows
+
+    extra = document_stage_rows()
+    assert set(extra.slots) == {"document"} and len(extra.texts) > 600
+    benign = [t for t, y in zip(extra.texts, extra.labels) if y == 0]
+    planted = [t for t, y in zip(extra.texts, extra.labels) if y == 1]
+    assert 250 <= len(planted) < len(benign) and any(t.lstrip().startswith(("{", "[")) for t in benign)
+    built = {r["text"] for split in ("train", "eval") for r in rows(split)}
+    assert not built & set(extra.texts)
+    by_split: dict[str, list[str]] = {"train": [], "eval": []}
+    for i, lines in enumerate(_parts("payloads", "payloads.txt").values()):
+        by_split[_split_of(i)] += [f for p in lines for f in written_forms(p)]
+    assert all(any(f in t for f in by_split["train"]) for t in planted)
+    held = [f for f in by_split["eval"] if not any(f in g for g in by_split["train"])]
+    assert not any(f in t for t in planted for f in held)
+    assert document_stage_rows().texts == extra.texts
