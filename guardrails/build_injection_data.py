@@ -358,6 +358,12 @@ def _composed(experiments: tuple[str, ...] = ()) -> Iterator[tuple[str, Row]]:
     yield from _tool_results(docs, payloads)
 
 
+def split_payloads(split: str) -> list[str]:
+    """The payloads ``_composed`` plants into ``split``'s rows (a payload group decides its split)."""
+    groups = _parts("payloads", "payloads.txt").values()
+    return [p for index, lines in enumerate(groups) if _split_of(index) == split for p in lines]
+
+
 def _tool_results(docs: dict[str, list[str]], payloads: dict[str, list[str]]) -> Iterator[tuple[str, Row]]:
     """Benign documents as JSON tool results (``TOOL_RESULT_SHARE`` of them), in their
     document's group; and, for ``PLANTED_TOOL_RESULT_SHARE`` of the payloads, a tool result of

@@ -15,7 +15,7 @@ import random
 
 import numpy as np
 
-from guardrails.build_injection_data import HANDWRITTEN, _groups, _parts, _split_of, _unescape, planted_payloads
+from guardrails.build_injection_data import HANDWRITTEN, _groups, _unescape, planted_payloads, split_payloads
 from guardrails.detectors.documents import chunk_spans, document_pieces, sentence_windows
 from guardrails.detectors.encoders import E5Encoder
 from guardrails.detectors.injection import embedding_chunks
@@ -117,12 +117,7 @@ def document_stage_rows() -> LabelledSet:
     in it (``planting.plant``), so that a hard host (an AI-use policy, a page of HTML comments)
     teaches what is benign in it without hiding an instruction planted there. The same rows
     every run."""
-    payloads = [
-        p
-        for i, lines in enumerate(_parts("payloads", "payloads.txt").values())
-        if _split_of(i) == "train"
-        for p in lines
-    ]
+    payloads = split_payloads("train")
     rng = random.Random(DOCUMENT_STAGE_SEED)
     texts, labels, groups = [], [], []
     for path in sorted(DOCUMENT_STAGE_SETS.glob("*.txt")):
@@ -137,12 +132,12 @@ def document_stage_rows() -> LabelledSet:
                 groups += [f"{path.stem}/{group}"] * len(rows)
     n = len(texts)
     return LabelledSet(
-        texts,
-        np.array(labels, dtype=np.int64),
-        ["document_stage"] * n,
-        groups,
-        ["document_stage"] * n,
-        ["document"] * n,
+        texts=texts,
+        labels=np.array(labels, dtype=np.int64),
+        sources=["document_stage"] * n,
+        groups=groups,
+        categories=["document_stage"] * n,
+        slots=["document"] * n,
     )
 
 

@@ -169,8 +169,9 @@ def test_the_document_stages_own_rows_are_training_only_and_planted_with_trainin
     """`handwritten/document_stage/` (``train_documents.document_stage_rows``): documents only
     the document stages learn from. In neither split (so the held-out documents the threshold
     is calibrated on stay unseen, and no chat turn carries them), each also planted with a
-    payload of the training split and never with a held-out one; the same rows every run."""
-    from guardrails.build_injection_data import _parts, _split_of
+    payload of the training split, never with one the held-out split's planted rows carry; the
+    same rows every run."""
+    from guardrails.build_injection_data import planted_payloads
     from guardrails.planting import written_forms
     from guardrails.train_documents import document_stage_rows
 
@@ -181,10 +182,11 @@ def test_the_document_stages_own_rows_are_training_only_and_planted_with_trainin
     assert 250 <= len(planted) < len(benign) and any(t.lstrip().startswith(("{", "[")) for t in benign)
     built = {r["text"] for split in ("train", "eval") for r in rows(split)}
     assert not built & set(extra.texts)
-    by_split: dict[str, list[str]] = {"train": [], "eval": []}
-    for i, lines in enumerate(_parts("payloads", "payloads.txt").values()):
-        by_split[_split_of(i)] += [f for p in lines for f in written_forms(p)]
-    assert all(any(f in t for f in by_split["train"]) for t in planted)
-    held = [f for f in by_split["eval"] if not any(f in g for g in by_split["train"])]
-    assert not any(f in t for t in planted for f in held)
+    # Which payloads each split holds, read off the committed splits' planted rows.
+    carried = {
+        split: [r["text"] for r in rows(split) if r["source"].startswith("ml_planted")] for split in ("train", "eval")
+    }
+    used = [p for p in planted_payloads() if any(f in t for t in planted for f in written_forms(p))]
+    assert used and all(any(f in t for t in carried["train"] for f in written_forms(p)) for p in used)
+    assert not any(f in t for p in used for f in written_forms(p) for t in carried["eval"])
     assert document_stage_rows().texts == extra.texts
