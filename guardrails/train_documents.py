@@ -39,6 +39,9 @@ DOCUMENT_E5_ALPHA = 0.1
 # split, so never pasted into a chat turn for the chat stages (which had lost recall to them) nor
 # among the held-out documents the threshold is calibrated on (guardrails/data/README.md).
 DOCUMENT_STAGE_SETS = HANDWRITTEN / "document_stage"
+# Sets measured for the document stages and not shipped, read only when named
+# (``document_stage_rows(experiments=...)``, ``train_injection --document-stage-experiment``).
+DOCUMENT_STAGE_EXPERIMENTS = HANDWRITTEN / "experiments" / "document_stage"
 DOCUMENT_STAGE_SEED = 47
 
 
@@ -110,17 +113,21 @@ def document_training_pieces(data: LabelledSet, heldout: LabelledSet) -> tuple[l
     return pieces, np.array(labels)
 
 
-def document_stage_rows() -> LabelledSet:
+def document_stage_rows(experiments: tuple[str, ...] = ()) -> LabelledSet:
     """The document stages' own training rows (``DOCUMENT_STAGE_SETS``, every ``*.txt`` in the
-    handwritten format): each benign document as written and, for ``TOOL_RESULT_SHARE`` of the
-    prose ones, as a JSON tool result; and each once more with a training-split payload planted
-    in it (``planting.plant``), so that a hard host (an AI-use policy, a page of HTML comments)
-    teaches what is benign in it without hiding an instruction planted there. The same rows
-    every run."""
+    handwritten format, then the ``experiments`` named, ``DOCUMENT_STAGE_EXPERIMENTS/<name>.txt``):
+    each benign document as written and, for ``TOOL_RESULT_SHARE`` of the prose ones, as a JSON
+    tool result; and each once more with a training-split payload planted in it
+    (``planting.plant``), so that a hard host (an AI-use policy, a page of HTML comments) teaches
+    what is benign in it without hiding an instruction planted there. The same rows every run
+    (an experiment's come after the shipped ones, which it leaves unchanged)."""
+    chosen = [DOCUMENT_STAGE_EXPERIMENTS / f"{name}.txt" for name in experiments]
+    if missing := [str(path) for path in chosen if not path.is_file()]:
+        raise FileNotFoundError(f"no document-stage experiment at {', '.join(missing)}")
     payloads = split_payloads("train")
     rng = random.Random(DOCUMENT_STAGE_SEED)
     texts, labels, groups = [], [], []
-    for path in sorted(DOCUMENT_STAGE_SETS.glob("*.txt")):
+    for path in sorted(DOCUMENT_STAGE_SETS.glob("*.txt")) + chosen:
         for group, lines in _groups(path).items():
             for doc in map(_unescape, lines):
                 forms = [doc]

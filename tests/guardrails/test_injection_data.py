@@ -190,3 +190,22 @@ def test_the_document_stages_own_rows_are_training_only_and_planted_with_trainin
     assert used and all(any(f in t for t in carried["train"] for f in written_forms(p)) for p in used)
     assert not any(f in t for p in used for f in written_forms(p) for t in carried["eval"])
     assert document_stage_rows().texts == extra.texts
+
+
+def test_a_document_stage_experiment_is_read_only_when_named():
+    """`handwritten/experiments/document_stage/<name>.txt`: sets measured for the document
+    stages and not shipped (data README). Named, their rows follow the shipped ones, which stay
+    as they were (so the shipped artifact is still what the default builds); an unknown name is
+    an error, not an empty set."""
+    from guardrails.train_documents import DOCUMENT_STAGE_EXPERIMENTS, document_stage_rows
+
+    shipped = document_stage_rows()
+    with_experiment = document_stage_rows(("rules_notices",))
+    assert with_experiment.texts[: len(shipped.texts)] == shipped.texts
+    added = with_experiment.texts[len(shipped.texts) :]
+    assert len(added) > 900 and set(with_experiment.slots) == {"document"}
+    assert not set(added) & set(shipped.texts)
+    assert all(g.startswith("rules_notices/") for g in with_experiment.groups[len(shipped.texts) :])
+    assert (DOCUMENT_STAGE_EXPERIMENTS / "rules_notices.txt").is_file()
+    with pytest.raises(FileNotFoundError):
+        document_stage_rows(("no-such-set",))
