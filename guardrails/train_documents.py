@@ -40,8 +40,10 @@ DOCUMENT_E5_ALPHA = 0.1
 # among the held-out documents the threshold is calibrated on (guardrails/data/README.md).
 DOCUMENT_STAGE_SETS = HANDWRITTEN / "document_stage"
 # Sets measured for the document stages and not shipped, read only when named
-# (``document_stage_rows(experiments=...)``, ``train_injection --document-stage-experiment``).
-DOCUMENT_STAGE_EXPERIMENTS = HANDWRITTEN / "experiments" / "document_stage"
+# (``document_stage_rows(experiments=...)``, ``train_injection --document-stage-experiment``);
+# a folder of files, not an ``experiments/<set>/`` of build_injection_data's, whose sets are
+# chat and split data.
+DOCUMENT_STAGE_EXPERIMENTS = DOCUMENT_STAGE_SETS / "experiments"
 DOCUMENT_STAGE_SEED = 47
 
 

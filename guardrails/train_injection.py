@@ -356,7 +356,7 @@ def main() -> None:
         action="append",
         default=[],
         metavar="NAME",
-        help="also give the document stages handwritten/experiments/document_stage/NAME.txt (measured, not shipped)",
+        help="also give the document stages handwritten/document_stage/experiments/NAME.txt (measured, not shipped)",
     )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")

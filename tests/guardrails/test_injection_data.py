@@ -193,7 +193,7 @@ def test_the_document_stages_own_rows_are_training_only_and_planted_with_trainin
 
 
 def test_a_document_stage_experiment_is_read_only_when_named():
-    """`handwritten/experiments/document_stage/<name>.txt`: sets measured for the document
+    """`handwritten/document_stage/experiments/<name>.txt`: sets measured for the document
     stages and not shipped (data README). Named, their rows follow the shipped ones, which stay
     as they were (so the shipped artifact is still what the default builds); an unknown name is
     an error, not an empty set."""
