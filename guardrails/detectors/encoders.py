@@ -47,7 +47,9 @@ class E5Encoder:
     text's vector would depend on its batch-mates. ``threads``: ONNX Runtime intra-op threads.
     """
 
-    def __init__(self, model_dir: Path | str | None = None, threads: int = 1) -> None:
+    def __init__(
+        self, model_dir: Path | str | None = None, threads: int = 1, *, window: int = E5_WINDOW_TOKENS, graph=True
+    ) -> None:
         from tokenizers import Tokenizer
 
         from engines.provision import default_models_dir
@@ -56,16 +58,17 @@ class E5Encoder:
         from retrieval.onnx_export import onnx_path
 
         folder = Path(model_dir) if model_dir is not None else default_models_dir() / E5_MODEL
-        graph = onnx_path(folder, quantized=True)
-        if not graph.is_file():
-            raise FileNotFoundError(f"no multilingual-e5-small graph at {graph}: run `make models`")
+        self.window = window
+        path = onnx_path(folder, quantized=True)
+        if graph and not path.is_file():
+            raise FileNotFoundError(f"no multilingual-e5-small graph at {path}: run `make models`")
         self._tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
         self._unk = self._tokenizer.token_to_id(UNK_PIECE)
         if self._unk is None:
             raise FileNotFoundError(f"{folder} is an older build of multilingual-e5-small: run `make models`")
         table = json.loads((folder / NORMALIZATION_FILE).read_text())
         self._table = str.maketrans({int(code): out for code, out in table.items()})
-        self._session = onnx_session(str(graph), threads)
+        self._session = onnx_session(str(path), threads) if graph else None  # ``graph``: tokenizer only
 
     def tokens(self, text: str) -> list[int]:
         """The ids e5 reads for ``text``, the engine's way (e5_convert.py), uncut: the
@@ -85,17 +88,23 @@ class E5Encoder:
         included): the cost of its pass."""
         return len(self.tokens(text))
 
-    def encode(self, texts: list[str]) -> np.ndarray:
+    def window_tokens(self, text: str) -> list[int]:
+        """The ids one pass reads: the first ``window`` of ``tokens``, its end token kept."""
+        ids = self.tokens(text)
+        return ids[: self.window - 1] + ids[-1:] if len(ids) > self.window else ids
+
+    def pooled(self, texts: list[str]) -> np.ndarray:
+        """(n, 384) means of each text's last hidden states over its ``window_tokens``."""
+        assert self._session is not None, "a tokenizer-only encoder"
         out = np.zeros((len(texts), E5_DIM), dtype=np.float32)
         for row, text in enumerate(texts):
-            ids = self.tokens(text)
-            if len(ids) > E5_WINDOW_TOKENS:
-                ids = ids[: E5_WINDOW_TOKENS - 1] + ids[-1:]  # the first window, its end token kept
-            feed = np.asarray([ids], dtype=np.int64)
-            hidden = self._session.run(None, {"input_ids": feed, "attention_mask": np.ones_like(feed)})[0][0]
-            pooled = hidden.mean(axis=0)
-            out[row] = pooled / max(float(np.linalg.norm(pooled)), 1e-12)
+            feed = np.asarray([self.window_tokens(text)], dtype=np.int64)
+            out[row] = self._session.run(None, {"input_ids": feed, "attention_mask": np.ones_like(feed)})[0][0].mean(0)
         return out
+
+    def encode(self, texts: list[str]) -> np.ndarray:
+        pooled = self.pooled(texts)
+        return pooled / np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12)
 
 
 class UseEncoder:

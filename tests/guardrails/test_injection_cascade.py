@@ -110,9 +110,12 @@ def test_e5_reads_one_window_of_a_text_at_most():
 
 
 def test_a_clearly_benign_turn_never_reaches_the_second_stage(scorer):
+    from guardrails.detectors.networks import logit, sigmoid
+
     parts, first, final = scorer.stages([GREETING], None)
     assert first[0] < scorer.cascade_floor
-    assert final[0] == first[0] and scorer._e5.calls == []
+    # Its first-stage score, on the chat threshold's scale (test_e5_turns.py)
+    assert final[0] == pytest.approx(sigmoid(logit(first[0]) + scorer.turn_e5_shift)) and scorer._e5.calls == []
 
 
 def test_a_turn_above_the_floor_is_scored_by_the_second_stage(scorer):
@@ -275,13 +278,16 @@ def test_the_second_stage_reads_at_most_two_chunks_of_a_text(scorer):
     """A long text whose every chunk the first stage is unsure of costs two e5 passes, not one
     per chunk (a 30 KB crafted turn would otherwise buy ~10 s of CPU)."""
     from guardrails.detectors.injection_ensemble import SECOND_STAGE_CHUNKS
+    from guardrails.detectors.networks import logit, sigmoid
 
     text = (ATTACK + " ") * 200  # ~12 chunks, all attacks
     chunks = scorer.scoring_chunks(text)
     parts, first, final = scorer.stages(chunks, None)
     assert len(chunks) > 10 and (first >= scorer.cascade_floor).all()
     assert sum(len(texts) for texts, _ in scorer._e5.calls) == SECOND_STAGE_CHUNKS
-    assert (final != first).sum() == SECOND_STAGE_CHUNKS
+    # The others keep their first-stage scores (on the chat threshold's scale: test_e5_turns.py)
+    moved = sigmoid(logit(first) + scorer.turn_e5_shift)
+    assert (~np.isclose(final, moved, rtol=0, atol=1e-12)).sum() == SECOND_STAGE_CHUNKS
     assert scorer.score_input(text, None) >= scorer.calibrated_threshold
 
 
