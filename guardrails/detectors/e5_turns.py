@@ -176,9 +176,6 @@ class TurnE5:
         self._weights = np.asarray(arrays["turn_e5_head_weights"], dtype=np.float32)
         self._bias = float(arrays["turn_e5_head_bias"])
 
-    def token_count(self, text: str) -> int:
-        return min(self._encoder.token_count(text), TURN_E5_TOKENS)
-
     def logits(self, texts: list[str]) -> np.ndarray:
         return self._encoder.pooled(texts) @ self._weights + self._bias
 
