@@ -16,6 +16,7 @@ Each prepared model carries a ``.prepared.json`` stamp; a second run skips finis
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import logging
@@ -24,7 +25,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -216,6 +217,24 @@ def is_prepared(out: Path, recipe: int) -> bool:
         return False
 
 
+@contextlib.contextmanager
+def folder_in_place(out: Path) -> Iterator[Path]:
+    """A temporary sibling of ``out`` to fill; renamed to ``out`` (replacing it) when the block
+    ends without an error, removed otherwise: an interrupted or failed build never leaves a
+    half-written folder where a loader looks."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        yield tmp
+        tmp.chmod(0o755)  # mkdtemp makes it private; replicas may run as another user
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def prepare(name: str, models_dir: Path, *, force: bool = False) -> Path:
     """Prepare one embedded model into ``models_dir/name`` and return its path.
 
@@ -232,18 +251,10 @@ def prepare(name: str, models_dir: Path, *, force: bool = False) -> Path:
     pkg = package_dir(model.module, model.package)
     models_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=models_dir))
-    try:
+    with folder_in_place(out) as tmp:
         model.prepare(pkg, tmp)
         summary = model.check(tmp)
         (tmp / STAMP).write_text(json.dumps({"recipe": model.recipe, "package": model.package}))
-        tmp.chmod(0o755)  # mkdtemp makes it private; replicas may run as another user
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     print(f"{name}: {summary}; prepared at {out} in {time.monotonic() - started:.0f}s", file=sys.stderr)
     return out
 

@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -124,14 +122,13 @@ def build(arrays: Mapping[str, np.ndarray], out: Path) -> str:
     once checked); a one-line summary."""
     from transformers import BertModel
 
+    from engines.provision import folder_in_place
     from guardrails.detectors.e5_convert import _ffn_down
     from guardrails.detectors.encoders import E5Encoder
     from retrieval.onnx_export import export_onnx
 
     digest = adapter_digest(arrays)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with folder_in_place(out) as tmp:
         base_folder(tmp)
         model = BertModel.from_pretrained(tmp, add_pooling_layer=False).eval()
         merge_adapters(model, arrays)
@@ -145,13 +142,6 @@ def build(arrays: Mapping[str, np.ndarray], out: Path) -> str:
         if error > MAX_LOGIT_ERROR:
             raise RuntimeError(f"the int8 graph's logits are {error:.3f} off the merged model's")
         (tmp / STAMP_FILE).write_text(json.dumps({"digest": digest, "rank": int(arrays["turn_e5_a0"].shape[1])}))
-        tmp.chmod(0o755)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return f"adapters {digest[:12]} merged, int8 ONNX, logits within {error:.3f} of float32"
 
 

@@ -21,7 +21,7 @@ import json
 import logging
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -189,3 +189,13 @@ class Primed:
     def chunks(self) -> list[str]:
         with self._lock:
             return list(self._values)
+
+
+def fill_missing(found: list[Any], chunks: list[str], compute: Callable[[list[str]], Any]) -> list[Any]:
+    """``found`` (what ``Primed.take`` gave for ``chunks``) with each None replaced by
+    ``compute``'s value, computed for all of those chunks in one call."""
+    missing = [c for c, v in zip(chunks, found) if v is None]
+    if not missing:
+        return found
+    computed = iter(compute(missing))
+    return [v if v is not None else next(computed) for v in found]

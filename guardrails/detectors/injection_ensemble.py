@@ -45,7 +45,7 @@ import numpy as np
 from guardrails.detectors.char_ngrams import CharNgramLogit
 from guardrails.detectors.documents import document_pieces
 from guardrails.detectors.e5_turns import TurnE5
-from guardrails.detectors.encoders import E5_WINDOW_TOKENS, E5Encoder, Primed, UseEncoder
+from guardrails.detectors.encoders import E5Encoder, Primed, UseEncoder, fill_missing
 from guardrails.detectors.injection import InjectionClassifier, embedding_chunks
 from guardrails.detectors.injection_artifact import ensemble_arrays, ensemble_fields
 from guardrails.detectors.networks import flush_subnormal, logit, network_logit, sigmoid
@@ -59,6 +59,7 @@ from guardrails.detectors.second_stages import (  # noqa: F401 (importable from 
     SECOND_STAGE_REQUEST_CHUNKS,
     SECOND_STAGE_REQUEST_TOKENS,
     _top_hot,
+    within_budget,
 )
 from guardrails.detectors.text_fold import decoded_payloads, fold
 
@@ -405,21 +406,7 @@ class InjectionEnsemble:
             else:
                 hot = _top_hot(first, self.cascade_floor)
             picked += [(float(first[i]), chunks[i]) for i in hot]
-        picked.sort(key=lambda p: -p[0])  # stable: ties keep the texts' order
-        most, budget = (
-            (DOCUMENT_E5_REQUEST_WINDOWS, DOCUMENT_E5_REQUEST_TOKENS)
-            if document
-            else (SECOND_STAGE_REQUEST_CHUNKS, SECOND_STAGE_REQUEST_TOKENS)
-        )
-        out: list[str] = []
-        tokens = 0
-        for _, chunk in picked[:most]:
-            cost = min(self.e5_encoder().token_count(chunk), E5_WINDOW_TOKENS)
-            if out and tokens + cost > budget:
-                continue  # a shorter one further down may still fit
-            out.append(chunk)
-            tokens += cost
-        return out
+        return within_budget(picked, document=document, token_count=lambda c: self.e5_encoder().token_count(c))
 
     def store_primed_e5(self, chunks: list[str], vectors: np.ndarray) -> None:
         """Keep e5 vectors of ``chunks`` (from ``cascade_chunks``) for scoring."""
@@ -448,12 +435,9 @@ class InjectionEnsemble:
         return np.asarray(found, dtype=np.float64)
 
     def _use_vectors(self, chunks: list[str]) -> np.ndarray:
-        found = self._primed.take(chunks)
-        missing = [c for c, v in zip(chunks, found) if v is None]
-        if missing:
-            encoded = iter(self.use_encoder().encode(missing))
-            found = [v if v is not None else next(encoded) for v in found]
-        return np.stack(found)
+        return np.stack(
+            fill_missing(self._primed.take(chunks), chunks, lambda missing: self.use_encoder().encode(missing))
+        )
 
     def _e5_vectors(self, chunks: list[str]) -> list[np.ndarray | None]:
         """The chunks' e5 vectors: primed, or encoded now; with ``primed_only`` (the guardrails
@@ -463,22 +447,18 @@ class InjectionEnsemble:
         held = getattr(self._thread, "e5_held", None)
         if held:
             found = [v if v is not None else held.get(c) for c, v in zip(chunks, found)]
-        missing = [c for c, v in zip(chunks, found) if v is None]
-        if missing and (not self.primed_only or getattr(self._thread, "encodes_e5", False)):
-            encoded = iter(self.e5_encoder().encode(missing))
-            found = [v if v is not None else next(encoded) for v in found]
-        return found
+        if self.primed_only and not getattr(self._thread, "encodes_e5", False):
+            return found
+        return fill_missing(found, chunks, lambda missing: self.e5_encoder().encode(missing))
 
     def _turn_e5_logits(self, chunks: list[str]) -> list[float | None]:
         """The fine-tuned e5's logits of chat turns' chunks: primed, or computed now unless
         ``primed_only`` (then None for a chunk not primed; within ``holding`` computed, as
         ``_e5_vectors`` encodes)."""
         found = self._primed_turn_e5.take(chunks)
-        missing = [c for c, v in zip(chunks, found) if v is None]
-        if missing and (not self.primed_only or getattr(self._thread, "encodes_e5", False)):
-            computed = iter(self.turn_e5_scorer().logits(missing).tolist())
-            found = [v if v is not None else next(computed) for v in found]
-        return found
+        if self.primed_only and not getattr(self._thread, "encodes_e5", False):
+            return found
+        return fill_missing(found, chunks, lambda missing: self.turn_e5_scorer().logits(missing).tolist())
 
     def turn_e5_scorer(self) -> TurnE5:
         assert self.turn_e5 is not None

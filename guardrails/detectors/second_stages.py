@@ -7,6 +7,8 @@ amount of them (injection_ensemble.py, guardrails/deployment.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from guardrails.detectors.encoders import E5_WINDOW_TOKENS
@@ -50,3 +52,25 @@ def _top_hot(first: np.ndarray, floor: float, limit: int = SECOND_STAGE_CHUNKS) 
     if len(hot) > limit:
         hot = np.sort(hot[np.argsort(-first[hot], kind="stable")[:limit]])
     return hot
+
+
+def within_budget(picked: list[tuple[float, str]], *, document: bool, token_count: Callable[[str], int]) -> list[str]:
+    """Of the (earlier stage's score, chunk) pairs a request's texts put forward, the chunks an
+    e5 stage reads: the highest scores first (ties in the texts' order), at most
+    ``SECOND_STAGE_REQUEST_CHUNKS`` and ``SECOND_STAGE_REQUEST_TOKENS`` for chat turns,
+    ``DOCUMENT_E5_REQUEST_WINDOWS`` and ``DOCUMENT_E5_REQUEST_TOKENS`` for documents (a chunk
+    counted at most one e5 window). The first always; a shorter one further down may still fit."""
+    most, budget = (
+        (DOCUMENT_E5_REQUEST_WINDOWS, DOCUMENT_E5_REQUEST_TOKENS)
+        if document
+        else (SECOND_STAGE_REQUEST_CHUNKS, SECOND_STAGE_REQUEST_TOKENS)
+    )
+    out: list[str] = []
+    tokens = 0
+    for _, chunk in sorted(picked, key=lambda p: -p[0])[:most]:
+        cost = min(token_count(chunk), E5_WINDOW_TOKENS)
+        if out and tokens + cost > budget:
+            continue
+        out.append(chunk)
+        tokens += cost
+    return out

@@ -56,6 +56,23 @@ def test_failed_check_leaves_no_model(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_folder_in_place_replaces_only_on_success(tmp_path):
+    """The one atomic folder build ``prepare`` and the fine-tuned e5's graph share: a failed
+    build leaves the previous folder as it was and no temporary sibling."""
+    out = tmp_path / "model"
+    with provision.folder_in_place(out) as tmp:
+        (tmp / "v").write_text("1")
+    with pytest.raises(RuntimeError), provision.folder_in_place(out) as tmp:
+        (tmp / "v").write_text("2")
+        raise RuntimeError("check failed")
+    assert (out / "v").read_text() == "1"
+    with provision.folder_in_place(out) as tmp:
+        (tmp / "w").write_text("3")
+    assert sorted(p.name for p in out.iterdir()) == ["w"]  # replaced, not merged
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]
+    assert out.stat().st_mode & 0o777 == 0o755
+
+
 def test_prepared_smollm2_is_a_loadable_folder():
     """`make test` prepares the models first; the result is a float32 safetensors folder."""
     folder = provision.default_models_dir() / "SmolLM2-135M-Instruct"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import threading
 
 import pytest
 
@@ -16,3 +17,21 @@ def encoder():
     from retrieval.encoder import SentenceEncoder
 
     return SentenceEncoder()
+
+
+class CountingEncoder:
+    """A real encoder (e5, or the fine-tuned e5's logits), its calls recorded (texts and thread)."""
+
+    def __init__(self, real) -> None:
+        self.real, self.calls = real, []
+
+    def encode(self, texts):
+        self.calls.append((list(texts), threading.get_ident()))
+        return self.real.encode(texts)
+
+    def logits(self, texts):
+        self.calls.append((list(texts), threading.get_ident()))
+        return self.real.logits(texts)
+
+    def __getattr__(self, name):  # token_count, window_tokens
+        return getattr(self.real, name)
