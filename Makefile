@@ -27,17 +27,17 @@ endif
 	$(PY) -c "import vllm, ray.serve.llm, faiss, openai; print('installed: vllm', vllm.__version__)"
 	touch $@
 
-# The chat turns' fine-tuned e5 is built from the artifact's adapters (guardrails/detectors/
-# e5_turns.py): rebuilt when they change, a quick no-op otherwise.
+# The fine-tuned e5s (the chat turns' and the documents' windows') are built from the artifact's
+# adapters (guardrails/detectors/tuned_e5.py): rebuilt when they change, a quick no-op otherwise.
 models: install $(GATEWAY_MODELS_DIR)/.prepared $(GATEWAY_MODELS_DIR)/injection_classifier.npz
-	$(PY) -m guardrails.detectors.e5_turns --artifact $(GATEWAY_MODELS_DIR)/injection_classifier.npz
+	$(PY) -m guardrails.detectors.tuned_e5 --artifact $(GATEWAY_MODELS_DIR)/injection_classifier.npz
 
 $(GATEWAY_MODELS_DIR)/.prepared: $(VENV)/.installed-$(PROFILE) engines/provision.py retrieval/onnx_export.py guardrails/detectors/e5_convert.py
 	$(PY) -m engines.provision --models-dir $(GATEWAY_MODELS_DIR)
 	touch $@
 
 # The prompt-injection classifier (multilingual USE read by a small network + character n-grams,
-# stacked; a second stage over USE and e5, with a fine-tuned e5's adapters) is the reviewed
+# stacked; e5 stages for chat turns and documents, each with a fine-tuned e5's adapters) is the reviewed
 # artifact in guardrails/data, measured by the tests' floors. Training is
 # deterministic on one kind of CPU only (an AVX-512 machine trains slightly different weights from
 # an AVX2 one), so every machine serves the same shipped file; `make train-injection` retrains it.
@@ -47,7 +47,8 @@ $(GATEWAY_MODELS_DIR)/injection_classifier.npz: guardrails/data/injection_classi
 
 train-injection: $(GATEWAY_MODELS_DIR)/.prepared
 	$(PY) -m guardrails.train_injection --model-dir $(GATEWAY_MODELS_DIR)/all-MiniLM-L6-v2 --out guardrails/data/injection_classifier.npz.tmp.npz
-	$(PY) -m guardrails.train_turn_e5 --artifact guardrails/data/injection_classifier.npz.tmp.npz --out guardrails/data/injection_classifier.npz.tmp.npz
+	$(PY) -m guardrails.train_tuned_e5 --kind turns --artifact guardrails/data/injection_classifier.npz.tmp.npz --out guardrails/data/injection_classifier.npz.tmp.npz
+	$(PY) -m guardrails.train_tuned_e5 --kind windows --artifact guardrails/data/injection_classifier.npz.tmp.npz --out guardrails/data/injection_classifier.npz.tmp.npz
 	mv guardrails/data/injection_classifier.npz.tmp.npz guardrails/data/injection_classifier.npz
 
 run: setup

@@ -7,8 +7,9 @@ scripted engine, so engine time is constant and the difference is the rails':
   out) to a model with rails on and one with rails off, alternating, sequentially;
 - documents: the same chat with a benign tool result of the held-out split (a retrieved page,
   a product sheet, a JSON result), rails off, rails on with the shipped document stages (USE,
-  then e5 on the windows it is unsure of) and rails on with the USE stage alone (the artifact
-  without its e5 stage, through ``injection.classifier_path``);
+  then e5 and the windows' fine-tuned e5 on the windows it is unsure of), rails on without the
+  fine-tuned e5 and rails on with the USE stage alone (the artifact without those, through
+  ``injection.classifier_path``);
 - output rails: 200-token streams; time per chunk from the first to the last chunk;
 - in-process: the pieces without any Serve hop (one prompt's embedding with torch and with
   the int8 ONNX export the guardrails use; InputGuard on one text with its embedding
@@ -92,13 +93,21 @@ def start_gateway(workdir: Path) -> str:
     use_only.doc_e5_hidden_weights = use_only.doc_e5_hidden_bias = use_only.doc_e5_weights = None
     use_only.metadata = {**use_only.metadata, "document_threshold": use_only.metadata["document_use_threshold"]}
     use_only.save(workdir / "use-documents.npz")
-    (workdir / "rails-on-use-docs.yaml").write_text(
-        "model_id: rails-on-use-docs\n"
-        + MODEL_BASE
-        + f"guardrails: {{enabled: true, injection: {{classifier_path: {workdir / 'use-documents.npz'}}}}}\n"
-    )
+    # ... and without the windows' fine-tuned e5: USE, then e5, at the e5 stage's own threshold.
+    e5_only = load_scorer(ROOT / ".models/injection_classifier.npz")
+    if e5_only.window_e5 is not None:
+        e5_only.window_e5 = None
+        e5_only.metadata = {**e5_only.metadata, "document_threshold": e5_only.metadata["window_e5_base_threshold"]}
+    e5_only.save(workdir / "e5-documents.npz")
+    for name, artifact in (("rails-on-use-docs", "use-documents.npz"), ("rails-on-e5-docs", "e5-documents.npz")):
+        (workdir / f"{name}.yaml").write_text(
+            f"model_id: {name}\n"
+            + MODEL_BASE
+            + f"guardrails: {{enabled: true, injection: {{classifier_path: {workdir / artifact}}}}}\n"
+        )
     (workdir / "gateway.yaml").write_text(
-        f"models: [rails-off.yaml, rails-on.yaml, rails-on-use-docs.yaml]\nmodels_dir: {ROOT / '.models'}\n"
+        "models: [rails-off.yaml, rails-on.yaml, rails-on-use-docs.yaml, rails-on-e5-docs.yaml]\n"
+        f"models_dir: {ROOT / '.models'}\n"
         f"retrieval: {{enabled: false}}\ningress: {{num_cpus: 0.1}}\n"
         f"guardrails: {{num_cpus: 0.1, embedding: {RAIL_EMBEDDING}}}\n"
         f"embedding: {{model: {{batch_wait_timeout_s: {BATCH_WAIT_S}}}}}\n"
@@ -249,11 +258,14 @@ def main() -> int:
         url = start_gateway(Path(tmp))
         lat = {"rails-off": [], "rails-on": []}
         chunk = {"rails-off": [], "rails-on": []}
-        docs: dict[str, list[float]] = {"rails-off": [], "rails-on": [], "rails-on-use-docs": []}
+        docs: dict[str, list[float]] = {
+            name: [] for name in ("rails-off", "rails-on", "rails-on-use-docs", "rails-on-e5-docs")
+        }
         with httpx.Client(base_url=url, timeout=60) as http:
             input_latency(http, "rails-on", prompts[:20])  # warm-up: classifier, batches, routes
             input_latency(http, "rails-off", prompts[:20])
             document_latency(http, "rails-on-use-docs", documents[-5:])
+            document_latency(http, "rails-on-e5-docs", documents[-5:])
             for r in range(args.rounds):
                 order = ["rails-off", "rails-on"] if r % 2 == 0 else ["rails-on", "rails-off"]
                 for model in order:
@@ -285,7 +297,8 @@ def main() -> int:
     for name, label in (
         ("rails-off", "rails off"),
         ("rails-on-use-docs", "rails on, USE stage alone"),
-        ("rails-on", "rails on, USE + e5 (shipped)"),
+        ("rails-on-e5-docs", "rails on, USE + e5 stage"),
+        ("rails-on", "+ fine-tuned e5 (shipped)"),
     ):
         v = docs[name]
         blocked = BLOCKED.get(name + "/documents", 0)

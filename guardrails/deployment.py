@@ -249,30 +249,32 @@ class Guardrails:
         # The e5 pass, for the chat turns' chunks the first stage did not score as clearly
         # benign and the documents' windows their USE stage did not: 20-400 ms of CPU a chunk,
         # ~14 ms a window, so in its thread too, never on the loop. The chat turns' chunks are
-        # read by the fine-tuned e5 too (at most 256 tokens of each), in a thread of its own.
+        # read by their fine-tuned e5 too (at most 256 tokens of each), the documents' windows
+        # by theirs, each in a thread of its own.
         docs = [s for s in scored if not s.turn]
         turns = scorer.cascade_chunks([s.text for s in scored if s.turn])
-        hot = turns + scorer.cascade_chunks([s.text for s in docs], [s.windows for s in docs], document=True)
+        windows = scorer.cascade_chunks([s.text for s in docs], [s.windows for s in docs], document=True)
+        hot = turns + windows
         if not hot:
             return
         started = time.perf_counter()
         left = deadline - time.monotonic() - _SCORING_RESERVE_S
-        tuned = turns if scorer.reads_turn_e5 else []
+        tuned = [("turn_e5", turns)] if turns and scorer.reads_turn_e5 else []
+        tuned += [("window_e5", windows)] if windows and scorer.reads_window_e5 else []
         try:
             if left <= 0:
                 raise TimeoutError
             # On time out the futures are cancelled: still queued, their chunks are never encoded.
             passes = [self._gate(scorer, "e5").enqueue(hot)]
-            if tuned:
-                passes.append(self._gate(scorer, "turn_e5").enqueue(tuned))
+            passes += [self._gate(scorer, name).enqueue(chunks) for name, chunks in tuned]
             vectors, *logits = await asyncio.wait_for(asyncio.gather(*passes), min(left, 3600.0))
         except TimeoutError:
             guard.metrics.record_error("injection_second_stage")
             logger.warning("injection e5 stages skipped: out of time (%d chunks keep earlier stages' scores)", len(hot))
             return
         scorer.store_primed_e5(hot, np.stack(vectors))
-        if logits:
-            scorer.store_primed_turn_e5(tuned, np.stack(logits[0]))
+        for (name, chunks), found in zip(tuned, logits):
+            scorer.store_primed_tuned(name, chunks, np.stack(found))
         guard.metrics.record_latency("injection_second_stage", time.perf_counter() - started)
 
     def _gate(self, scorer: InjectionEnsemble, encoder: str) -> EncodeGate:
@@ -283,7 +285,9 @@ class Guardrails:
         many short turns."""
         found = self._gates.get((id(scorer), encoder))
         if found is None or found[0] is not scorer:
-            model = {"use": scorer.use_encoder, "e5": scorer.e5_encoder, "turn_e5": scorer.turn_e5_scorer}[encoder]()
+            model = {"use": scorer.use_encoder, "e5": scorer.e5_encoder}.get(
+                encoder, lambda: scorer.tuned_e5(encoder)
+            )()
 
             def encode(chunks: list[str]) -> Awaitable[np.ndarray]:
                 # In a worker thread, started at once: both engines release the GIL for the
@@ -291,7 +295,7 @@ class Guardrails:
                 # shares) keeps serving.
                 return asyncio.get_running_loop().run_in_executor(None, model.encode, chunks)
 
-            size = _USE_BATCH_CHUNKS if encoder == "use" else _E5_BATCH_CHUNKS  # e5 and the fine-tuned e5
+            size = _USE_BATCH_CHUNKS if encoder == "use" else _E5_BATCH_CHUNKS  # e5 and the fine-tuned e5s
             found = (scorer, EncodeGate(encode, limit=1, max_size=size))
             self._gates[(id(scorer), encoder)] = found
         return found[1]

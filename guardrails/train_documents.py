@@ -173,6 +173,26 @@ def _network_fields(prefix: str, network) -> dict:
     }
 
 
+def calibrate_documents(
+    staged: InjectionEnsemble, heldout: LabelledSet, target_fpr: float, *, rounds: int = 4
+) -> tuple[float, float]:
+    """The held-out split's document recall, and the document threshold, at ``target_fpr`` of
+    its benign documents, scored exactly as the guardrails score them. Set in ``staged`` and
+    calibrated again until it no longer changes (``rounds`` at most): the scores of windows a
+    later stage did not read are moved onto the threshold (``document_use_shift``,
+    ``window_e5_shift``), which moves only scores far under it."""
+    docs = [i for i, s in enumerate(heldout.slots) if s == "document"]
+    labels = heldout.labels[docs]
+    recall, threshold = 0.0, staged.metadata.get("document_threshold")
+    for _ in range(rounds):
+        scores = np.array([staged.score_document(heldout.texts[i], None, windows=True) for i in docs])
+        recall, calibrated = _recall_at(scores, labels, labels == 0, target_fpr)
+        if _stored(calibrated) == threshold:
+            break
+        threshold = staged.metadata["document_threshold"] = _stored(calibrated)
+    return recall, threshold
+
+
 def train_document_stage(
     ensemble: InjectionEnsemble, data: LabelledSet, heldout: LabelledSet, target_fpr: float, *, e5: bool = True
 ) -> InjectionEnsemble:
@@ -195,18 +215,13 @@ def train_document_stage(
         doc_e5_hidden_bias=None,
         doc_e5_weights=None,
         doc_e5_bias=0.0,
+        window_e5=None,  # fine-tuned against the stages replaced here: train_tuned_e5 --kind windows again
     )
     stale = ("document_threshold", "document_use_threshold", "document_e5_floor", "document_stage")
+    stale += ("window_e5", "window_e5_base_threshold")
     staged.metadata = {k: v for k, v in ensemble.metadata.items() if k not in stale}
     docs = [i for i, s in enumerate(heldout.slots) if s == "document"]
-    held_labels = heldout.labels[docs]
-
-    def calibrate() -> tuple[float, float]:
-        scores = np.array([staged.score_document(heldout.texts[i], None, windows=True) for i in docs])
-        recall, threshold = _recall_at(scores, held_labels, held_labels == 0, target_fpr)
-        return recall, _stored(threshold)
-
-    use_recall, use_threshold = calibrate()
+    use_recall, use_threshold = calibrate_documents(staged, heldout, target_fpr, rounds=1)
     recall, threshold = use_recall, use_threshold
     stage: dict = {"alpha": DOCUMENT_STAGE_ALPHA, "heldout_recall_use_stage": round(use_recall, 4)}
     if e5:
@@ -214,15 +229,10 @@ def train_document_stage(
         x5 = np.concatenate([x, encoder.encode(folded)], axis=1)
         network = _fit("use", x5, y, DOCUMENT_E5_ALPHA)
         staged = dataclasses.replace(staged, **_network_fields("doc_e5", network))
-        staged._e5 = encoder
-        staged.metadata |= {"document_use_threshold": use_threshold, "document_e5_floor": DOCUMENT_E5_FLOOR}
-        threshold = use_threshold
-        for _ in range(4):
-            staged.metadata["document_threshold"] = threshold
-            recall, calibrated = calibrate()
-            if calibrated == threshold:
-                break
-            threshold = calibrated
+        staged._models["e5"] = encoder
+        staged.metadata |= {"document_use_threshold": use_threshold, "document_threshold": use_threshold}
+        staged.metadata["document_e5_floor"] = DOCUMENT_E5_FLOOR
+        recall, threshold = calibrate_documents(staged, heldout, target_fpr)
         stage["e5_alpha"] = DOCUMENT_E5_ALPHA
     logger.info(
         "document stages: %d pieces (%d attacks, chat attacks included); held-out recall %.3f at %.4f "

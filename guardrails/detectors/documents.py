@@ -26,13 +26,16 @@ REMOVED = "[removed by the gateway's injection guardrail]"
 # A document of more sentences than this (a JSON one: strings, keys included, twice this) is
 # dropped whole when flagged, as before: finding the pieces costs a check each.
 MAX_REDACTION_PIECES = 64
-# A sentence next to one a flagged document lost goes too at this document score, or this
-# score as a chat turn, or on a heuristic (``InjectionDetector.check``): an instruction's second
-# sentence ("Forward the mail to x.") often scores low on its own. Of the held-out split's
-# planted documents redacted, 7 of 301 keep a sentence of their payload with it (each an inert
-# tail such as "Do not mention this note."); 6 of 290 at 0.1, the threshold before the document
-# stage, whose pieces score higher (a fact sheet lost a third of its sentences at 0.1).
-NEIGHBOUR_THRESHOLD = 0.5
+# A sentence next to one a flagged document lost goes too at a document score this many logits
+# under the document threshold, or this score as a chat turn, or on a heuristic
+# (``InjectionDetector._continues``): an instruction's second sentence ("Forward the mail to
+# x.") often scores low on its own. Set as 0.5 against the threshold of 0.536 (stop 47): of the
+# held-out split's planted documents redacted, 7 of 301 kept a sentence of their payload with it
+# (each an inert tail such as "Do not mention this note."); 6 of 290 at 0.1, the threshold
+# before the document stage, whose pieces score higher (a fact sheet lost a third of its
+# sentences at 0.1). A margin, not a score, since the documents' fine-tuned e5 moved the
+# threshold to 0.162: at 0.5 no neighbour unflagged on its own could reach it.
+NEIGHBOUR_MARGIN = 0.15
 NEIGHBOUR_TURN_THRESHOLD = 0.3
 
 

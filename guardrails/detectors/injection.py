@@ -24,6 +24,7 @@ import numpy as np
 
 from guardrails.detectors import documents
 from guardrails.detectors.injection_heuristics import heuristic_hits
+from guardrails.detectors.networks import logit, sigmoid
 from guardrails.detectors.text_fold import decoded_payloads
 from guardrails.verdict import PolicyCode, Verdict
 
@@ -210,9 +211,10 @@ class InjectionDetector:
     def _continues(self, piece: str) -> bool:
         """Whether a neighbour of a removed piece looks like the instruction's continuation: a
         lower bar, as a document or as the chat turn it could be on its own
-        (``documents.NEIGHBOUR_THRESHOLD``, ``NEIGHBOUR_TURN_THRESHOLD``)."""
+        (``documents.NEIGHBOUR_MARGIN``, ``NEIGHBOUR_TURN_THRESHOLD``)."""
+        bar = float(sigmoid(logit(np.float64(self.document_threshold)) - documents.NEIGHBOUR_MARGIN))
         return (
-            self._check(piece, None, document=True, threshold=documents.NEIGHBOUR_THRESHOLD).blocked
+            self._check(piece, None, document=True, threshold=bar).blocked
             or self._check(piece, None, document=False, threshold=documents.NEIGHBOUR_TURN_THRESHOLD).blocked
         )
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from guardrails.detectors.e5_turns import ADAPTER_FIELDS
 from guardrails.detectors.injection import InjectionClassifier
+from guardrails.detectors.tuned_e5 import TURNS, WINDOWS
 
 # Weights saved and loaded together, each group when its first is present (scalars as floats).
 OPTIONAL_ARRAYS = (
@@ -37,8 +37,9 @@ def ensemble_arrays(ensemble: Any) -> dict[str, np.ndarray]:
     for group in OPTIONAL_ARRAYS:
         if getattr(ensemble, group[0]) is not None:
             arrays |= {name: np.asarray(getattr(ensemble, name), dtype=np.float32) for name in group}
-    if ensemble.turn_e5 is not None:  # the fine-tuned e5's adapters and head (e5_turns.py)
-        arrays |= {name: np.asarray(ensemble.turn_e5[name], dtype=np.float32) for name in ADAPTER_FIELDS}
+    for kind, tuned in ((TURNS, ensemble.turn_e5), (WINDOWS, ensemble.window_e5)):
+        if tuned is not None:  # a fine-tuned e5's adapters and head (tuned_e5.py)
+            arrays |= {name: np.asarray(tuned[name], dtype=np.float32) for name in kind.fields}
     return arrays
 
 
@@ -66,6 +67,9 @@ def ensemble_fields(data: Any, known_components: tuple[str, ...]) -> dict[str, A
         "stack_weights": data["stack_weights"].astype(np.float32),
         "stack_bias": float(data["stack_bias"]),
         "metadata": json.loads(str(data["metadata"])),
-        "turn_e5": {n: data[n].astype(np.float32) for n in ADAPTER_FIELDS} if ADAPTER_FIELDS[0] in has else None,
+        **{
+            field: {n: data[n].astype(np.float32) for n in kind.fields} if kind.fields[0] in has else None
+            for field, kind in (("turn_e5", TURNS), ("window_e5", WINDOWS))
+        },
         **optional,
     }

