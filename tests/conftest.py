@@ -50,6 +50,14 @@ TENANTS = {
 }
 
 
+def pytest_collection_modifyitems(config, items):
+    # `make test` runs the ``offline`` tests in a second, niced process beside the rest: they
+    # must not need the session's Ray instance, and they get no CPU while the rest need it.
+    for item in items:
+        if item.get_closest_marker("offline") and "ray_session" in item.fixturenames:
+            raise pytest.UsageError(f"{item.nodeid} is marked offline but uses the session's Ray instance")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

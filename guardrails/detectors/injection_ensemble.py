@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,8 +43,8 @@ from typing import Any
 import numpy as np
 
 from guardrails.detectors.char_ngrams import CharNgramLogit
+from guardrails.detectors.chunk_values import ChunkValues
 from guardrails.detectors.documents import document_pieces
-from guardrails.detectors.encoders import E5Encoder, Primed, UseEncoder, fill_missing
 from guardrails.detectors.injection import InjectionClassifier, embedding_chunks
 from guardrails.detectors.injection_artifact import ensemble_arrays, ensemble_fields
 from guardrails.detectors.networks import flush_subnormal, logit, network_logit, sigmoid
@@ -62,7 +61,6 @@ from guardrails.detectors.second_stages import (  # noqa: F401 (importable from 
     within_budget,
 )
 from guardrails.detectors.text_fold import decoded_payloads, fold
-from guardrails.detectors.tuned_e5 import TunedE5
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +69,7 @@ USE_DIM = 512
 
 
 @dataclass(kw_only=True)
-class InjectionEnsemble:
+class InjectionEnsemble(ChunkValues):
     """Stacked component classifiers; satisfies `InjectionScorer` (with a document threshold)."""
 
     components: tuple[str, ...]
@@ -128,22 +126,9 @@ class InjectionEnsemble:
     def __post_init__(self) -> None:
         for name in ("use_hidden_weights", "use_weights", "char_weights", "turn_hidden_weights", "turn_weights", *_DOC):
             setattr(self, name, flush_subnormal(getattr(self, name)))
-        self._models: dict[str, Any] = {}  # the encoders, by name (``_loaded``)
-        self._encoders_lock = threading.Lock()
-        self._primed_e5 = Primed()
-        self._primed_tuned = {"turn_e5": Primed(), "window_e5": Primed()}  # by field name
-        self._thread = threading.local()  # ``holding``
-        # Set by the guardrails deployment, which primes the e5 vectors it allows
-        # (``cascade_chunks``): scoring then never encodes e5 itself.
-        self.primed_only = False
-        # e5's intra-op threads (``load_scorer``): offline scoring may use every core.
-        self.e5_threads = 1
+        self.init_chunk_values()
         if self.cascades and ("use" not in self.components or "char" not in self.components):
             raise ValueError("the second stage reads the use and char components")
-        # Computed ahead by chunk text, used once by scoring: USE vectors (``store_primed``) and
-        # character-model P(injection) (``prime_char``).
-        self._primed = Primed()
-        self._primed_char = Primed()
         self._char_logit = CharNgramLogit(self.char_weights) if "char" in self.components else None
         for weights in (self.stack_weights, self.doc_stack_weights):
             if weights is not None and len(weights) != len(self.components):
@@ -436,80 +421,6 @@ class InjectionEnsemble:
                 hot = _top_hot(first, self.cascade_floor)
             picked += [(float(first[i]), chunks[i]) for i in hot]
         return within_budget(picked, document=document, token_count=lambda c: self.e5_encoder().token_count(c))
-
-    def store_primed_e5(self, chunks: list[str], vectors: np.ndarray) -> None:
-        """Keep e5 vectors of ``chunks`` (from ``cascade_chunks``) for scoring."""
-        self._primed_e5.put(chunks, vectors)
-
-    def store_primed_tuned(self, name: str, chunks: list[str], logits: np.ndarray) -> None:
-        """Keep the logits of ``chunks`` (from ``cascade_chunks``: chat turns' for
-        ``turn_e5``, documents' for ``window_e5``) of that fine-tuned e5, for scoring."""
-        self._primed_tuned[name].put(chunks, [float(v) for v in np.ravel(logits)])
-
-    def store_primed(self, chunks: list[str], vectors: np.ndarray) -> None:
-        """Keep USE vectors of ``chunks`` for scoring; vectors not used by then are dropped at
-        a later call once too many wait (``Primed``)."""
-        self._primed.put(chunks, vectors)
-
-    def prime_char(self, chunks: list[str]) -> None:
-        """Score ``chunks`` (from ``prime_chunks``) with the character model now, for scoring
-        to use: the guardrails run it while USE encodes the same chunks in a thread."""
-        if self._char_logit is None or not chunks:
-            return
-        self._primed_char.put(chunks, self.score_char(chunks).tolist())
-
-    def _char_scores(self, chunks: list[str]) -> np.ndarray:
-        found = self._primed_char.take(chunks)
-        if any(f is None for f in found):
-            return self.score_char(chunks)
-        return np.asarray(found, dtype=np.float64)
-
-    def _use_vectors(self, chunks: list[str]) -> np.ndarray:
-        return np.stack(
-            fill_missing(self._primed.take(chunks), chunks, lambda missing: self.use_encoder().encode(missing))
-        )
-
-    def _e5_vectors(self, chunks: list[str]) -> list[np.ndarray | None]:
-        """The chunks' e5 vectors (``_ahead``)."""
-        return self._ahead(self._primed_e5, chunks, "e5_held", lambda missing: self.e5_encoder().encode(missing))
-
-    def _tuned_logits(self, name: str, chunks: list[str]) -> list[float | None]:
-        """The chunks' logits by the fine-tuned e5 of field ``name`` (``_ahead``)."""
-        return self._ahead(
-            self._primed_tuned[name],
-            chunks,
-            f"{name}_held",
-            lambda missing: self.tuned_e5(name).logits(missing).tolist(),
-        )
-
-    def _ahead(self, primed: Primed, chunks: list[str], held: str, compute) -> list:
-        """Each chunk's value: primed, held (within ``holding``, in ``self._thread.<held>``), or
-        computed now; with ``primed_only`` (the guardrails deployment, where scoring may run on
-        the event loop) None for a chunk not primed, which then keeps its earlier stage's score
-        (but within ``holding`` computed)."""
-        found = primed.take(chunks)
-        if values := getattr(self._thread, held, None):
-            found = [v if v is not None else values.get(c) for c, v in zip(chunks, found)]
-        if self.primed_only and not getattr(self._thread, "encodes_e5", False):
-            return found
-        return fill_missing(found, chunks, compute)
-
-    def tuned_e5(self, name: str) -> TunedE5:
-        """The fine-tuned e5 of field ``name`` (``turn_e5``, ``window_e5``)."""
-        return self._loaded(name, lambda: TunedE5(getattr(self, name), threads=self.e5_threads))
-
-    def e5_encoder(self) -> E5Encoder:
-        return self._loaded("e5", lambda: E5Encoder(threads=self.e5_threads))
-
-    def use_encoder(self) -> UseEncoder:
-        return self._loaded("use", UseEncoder)
-
-    def _loaded(self, key: str, load):
-        """The model ``load`` makes, made once (two threads' first calls load one)."""
-        with self._encoders_lock:
-            if key not in self._models:
-                self._models[key] = load()
-        return self._models[key]
 
     # --- persistence -------------------------------------------------------------------
 

@@ -21,6 +21,9 @@ from guardrails.detectors.injection import DEFAULT_ARTIFACT
 from guardrails.detectors.injection_ensemble import load_scorer
 from guardrails.input_rail import InputGuard
 
+# Scores data sets with the shipped models (`make test` runs these beside the Serve tests).
+pytestmark = [pytest.mark.offline, pytest.mark.usefixtures("encoder_passes_once")]
+
 # Sentences under 40 characters join the next one (documents._units): those below are longer.
 
 

@@ -6,6 +6,9 @@ import pytest
 from guardrails.detectors.injection_ensemble import InjectionEnsemble
 from guardrails.train_injection import USE_SEEDS, _fit
 
+# Scores data sets with the shipped models (`make test` runs these beside the Serve tests).
+pytestmark = [pytest.mark.offline, pytest.mark.usefixtures("encoder_passes_once")]
+
 
 def test_the_bagged_network_is_the_mean_of_its_members_and_serves_as_one():
     """The USE component is several networks from different random starts; the artifact stores

@@ -21,6 +21,9 @@ from guardrails.detectors.injection import DEFAULT_ARTIFACT
 from guardrails.detectors.injection_ensemble import load_scorer
 from guardrails.input_rail import InputGuard
 
+# Scores data sets with the shipped models (`make test` runs these beside the Serve tests).
+pytestmark = [pytest.mark.offline, pytest.mark.usefixtures("encoder_passes_once")]
+
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 OURS = json.loads((FIXTURES / "tool_results.json").read_text("utf-8"))
 INDEPENDENT = json.loads((FIXTURES / "tool_results_independent.json").read_text("utf-8"))
