@@ -91,6 +91,7 @@ def start_gateway(workdir: Path) -> str:
 
     use_only = load_scorer(ROOT / ".models/injection_classifier.npz")
     use_only.doc_e5_hidden_weights = use_only.doc_e5_hidden_bias = use_only.doc_e5_weights = None
+    use_only.window_e5 = None  # it reads the e5 stage's windows: without that stage, unused (not loaded)
     use_only.metadata = {**use_only.metadata, "document_threshold": use_only.metadata["document_use_threshold"]}
     use_only.save(workdir / "use-documents.npz")
     # ... and without the windows' fine-tuned e5: USE, then e5, at the e5 stage's own threshold.
