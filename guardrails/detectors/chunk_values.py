@@ -16,8 +16,9 @@ from guardrails.detectors.tuned_e5 import TunedE5
 
 
 class ChunkValues:
-    """The primed, held and computed values by chunk text; expects ``score_char`` and the
-    fine-tuned e5s' adapters (``turn_e5``, ``window_e5``) of the class it is mixed into."""
+    """The primed, held and computed values by chunk text; expects ``score_char``,
+    ``_char_logit`` and the fine-tuned e5s' adapters (``turn_e5``, ``window_e5``) of the class
+    it is mixed into."""
 
     def init_chunk_values(self) -> None:
         self._models: dict[str, Any] = {}  # the encoders, by name (``_loaded``)
